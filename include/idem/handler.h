@@ -1,0 +1,50 @@
+/* idem/handler.h - what a handler sees and how it answers.
+ *
+ * A handler is called once per new event (its id already claimed for the consumer) with the
+ * consumer's PostgreSQL transaction open. Everything it writes through that connection commits
+ * together with the claim, or not at all. It must not COMMIT or ROLLBACK itself. */
+#ifndef IDEM_HANDLER_H
+#define IDEM_HANDLER_H
+
+#include <jansson.h>
+#include <libpq-fe.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct idem_event idem_event_t; /* borrowed by the handler for the call only */
+
+typedef enum idem_outcome {
+    IDEM_DONE = 0,    /* effects applied; commit and ack */
+    IDEM_RETRY,       /* transient failure: no effect, try again later (bounded by max-retries) */
+    IDEM_REJECT,      /* permanent failure: dead-letter as handler_rejected */
+    IDEM_INVALID,     /* the payload is unusable: dead-letter as invalid_payload, never retried */
+} idem_outcome;
+
+typedef idem_outcome (*idem_handler_fn)(idem_event_t *ev, void *userdata);
+
+/* Accessors; strings and the payload are borrowed and live until the handler returns. */
+const char *idem_event_id(const idem_event_t *ev);       /* lowercase canonical UUID */
+const char *idem_event_type(const idem_event_t *ev);
+const char *idem_event_consumer(const idem_event_t *ev); /* the consumer name */
+json_t *idem_event_payload(const idem_event_t *ev);      /* a JSON object, borrowed */
+PGconn *idem_event_conn(idem_event_t *ev);               /* the open transaction, borrowed */
+
+/* Records why the handler fails (one line; the first call wins) and returns outcome, so a
+ * handler can write `return idem_event_fail(ev, IDEM_INVALID, "amount_cents: missing");`. */
+idem_outcome idem_event_fail(idem_event_t *ev, idem_outcome outcome, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Runs one parameterized statement in the event's transaction (prepared once per connection,
+ * keyed by the SQL text, which must therefore be a constant). On success returns IDEM_DONE and,
+ * if out is non-NULL, a new PGresult the caller must PQclear. On failure it records the server's
+ * message and returns IDEM_RETRY for transient errors (SQLSTATE 40001, 40P01, 55P03, 57014, a
+ * lost connection) and IDEM_REJECT otherwise; *out is then NULL. */
+idem_outcome idem_event_exec(idem_event_t *ev, const char *sql, int nparams,
+                             const char *const *params, PGresult **out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

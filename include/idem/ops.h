@@ -1,0 +1,64 @@
+/* idem/ops.h - operations: schema migrations, retention, backlog health, failed rows, replay.
+ *
+ * Every function takes a borrowed PGconn that is not inside a transaction; each manages its own
+ * short transactions. JSON results are new references the caller must json_decref. */
+#ifndef IDEM_OPS_H
+#define IDEM_OPS_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include <jansson.h>
+#include <libpq-fe.h>
+
+#include <idem/error.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Applies the numbered *.sql files of sql_dir (NULL = the directory found next to the binary,
+ * then $IDEM_SQL_DIR, then the installed share/idem/sql) that are not yet recorded in
+ * idem_schema_migrations, each in its own transaction, in order. Writes one line per applied
+ * file to out (if non-NULL) and sets *applied. Safe to run concurrently (advisory lock). */
+int idem_migrate(PGconn *conn, const char *sql_dir, FILE *out, int *applied, idem_error_t *err);
+
+typedef struct idem_retain_config {
+    int64_t outbox_keep_ms;  /* sent outbox rows older than this (by sent_at) go; default 7d */
+    int64_t dedup_window_ms; /* ledger rows older than this (by consumed_at) go; default 30d */
+    int batch;               /* rows per DELETE statement (own transaction); default 5000 */
+    bool force;              /* allow a dedup window shorter than the outbox window or 1d */
+    volatile int *stop;      /* optional: stop between batches */
+} idem_retain_config_t;
+
+typedef struct idem_retain_result {
+    bool skipped; /* another run holds the retention lock; nothing was deleted */
+    int64_t outbox_deleted, outbox_batches;
+    int64_t ledger_deleted, ledger_batches;
+} idem_retain_result_t;
+
+void idem_retain_config_init(idem_retain_config_t *cfg);
+/* IDEM_ERR_REFUSED when the windows break the rule above without force. */
+int idem_retain_check(const idem_retain_config_t *cfg, idem_error_t *err);
+int idem_retain_run(PGconn *conn, const idem_retain_config_t *cfg, idem_retain_result_t *res,
+                    idem_error_t *err);
+
+/* The backlog document of `idem status --json` (see the contract); new reference in *out. */
+int idem_status_query(PGconn *conn, json_t **out, idem_error_t *err);
+
+/* Failed outbox rows as a JSON array of objects (event_id, outbox_id, event_type,
+ * subscription_id, attempts, created_at, last_error), oldest first; new reference in *out. */
+int idem_failed_list(PGconn *conn, json_t **out, idem_error_t *err);
+
+/* Returns failed rows to pending (attempts 0, next attempt now, last_error kept). event_id NULL
+ * means every failed row. Refuses (IDEM_ERR_REFUSED, nothing changed) when a row is older than
+ * dedup_window_ms by created_at, and (IDEM_ERR_NOT_FOUND) when event_id is not a failed row.
+ * *replayed receives the number of rows returned to pending. */
+int idem_replay(PGconn *conn, const char *event_id, int64_t dedup_window_ms, int *replayed,
+                idem_error_t *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

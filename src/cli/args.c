@@ -1,0 +1,209 @@
+/* args.c - the CLI's flag parser. */
+#include <errno.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <idem/duration.h>
+#include <idem/error.h>
+
+#include "args.h"
+
+volatile sig_atomic_t cli_stop;
+
+static void on_signal(int sig)
+{
+    if (cli_stop)
+        _exit(1);
+    cli_stop = sig;
+}
+
+void cli_install_signals(void)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = 0; /* no SA_RESTART: blocking waits return early */
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+}
+
+static const char *env_or(const char *name, const char *def)
+{
+    const char *v = getenv(name);
+    return v != NULL ? v : def;
+}
+
+void cli_global_init(cli_global_t *g)
+{
+    g->pg = env_or("IDEM_PG_URL", "");
+    g->amqp = env_or("IDEM_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672");
+    g->exchange = env_or("IDEM_EXCHANGE", "billing.events");
+    if (g->amqp[0] == '\0')
+        g->amqp = "amqp://guest:guest@127.0.0.1:5672";
+    if (g->exchange[0] == '\0')
+        g->exchange = "billing.events";
+    g->level = IDEM_LOG_INFO;
+    g->format = IDEM_LOG_TEXT;
+}
+
+void cli_apply_logging(const cli_global_t *g)
+{
+    idem_log_set_level(g->level);
+    idem_log_set_format(g->format);
+}
+
+int cli_usage_error(const char *cmd, const char *fmt, ...)
+{
+    va_list ap;
+    fprintf(stderr, "idem %s: ", cmd);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, " (see 'idem %s --help')\n", cmd);
+    return CLI_EXIT_USAGE;
+}
+
+static const cli_opt_t global_help[] = {
+    {"--pg", OPT_STRING, NULL, "CONNINFO", "$IDEM_PG_URL or PG* defaults",
+     "PostgreSQL conninfo or URI", 0, 0},
+    {"--amqp", OPT_STRING, NULL, "URL", "$IDEM_AMQP_URL or amqp://guest:guest@127.0.0.1:5672",
+     "RabbitMQ URL", 0, 0},
+    {"--exchange", OPT_STRING, NULL, "NAME", "$IDEM_EXCHANGE or billing.events",
+     "topic exchange", 0, 0},
+    {"--log-level", OPT_STRING, NULL, "LEVEL", "info", "debug|info|warn|error", 0, 0},
+    {"--log-format", OPT_STRING, NULL, "FORMAT", "text", "text|json", 0, 0},
+    {0},
+};
+
+static void print_opts(FILE *f, const cli_opt_t *opts)
+{
+    for (const cli_opt_t *o = opts; o->name != NULL; o++) {
+        char left[64];
+        snprintf(left, sizeof left, "%s%s%s", o->name, o->metavar ? " " : "",
+                 o->metavar ? o->metavar : "");
+        fprintf(f, "  %-28s %s", left, o->help);
+        if (o->def != NULL)
+            fprintf(f, " (default: %s)", o->def);
+        fputc('\n', f);
+    }
+}
+
+static void print_help(const char *cmd, const char *synopsis, const cli_opt_t *opts)
+{
+    printf("usage: idem [GLOBAL FLAGS] %s %s\n\n", cmd, synopsis);
+    if (opts != NULL && opts->name != NULL) {
+        printf("flags:\n");
+        print_opts(stdout, opts);
+        printf("\n");
+    }
+    printf("global flags (accepted before or after the command):\n");
+    print_opts(stdout, global_help);
+    printf("  %-28s %s\n", "--help", "show this help");
+}
+
+static int set_value(const char *cmd, const cli_opt_t *o, const char *val)
+{
+    switch (o->kind) {
+    case OPT_FLAG:
+        *(bool *)o->dest = true;
+        return 0;
+    case OPT_STRING:
+        *(const char **)o->dest = val;
+        return 0;
+    case OPT_LIST: {
+        cli_list_t *l = o->dest;
+        if (l->n >= CLI_LIST_MAX)
+            return cli_usage_error(cmd, "too many %s values (at most %d)", o->name, CLI_LIST_MAX);
+        if (*val == '\0')
+            return cli_usage_error(cmd, "%s needs a non-empty value", o->name);
+        l->items[l->n++] = val;
+        l->items[l->n] = NULL;
+        return 0;
+    }
+    case OPT_INT: {
+        char *end;
+        errno = 0;
+        long v = strtol(val, &end, 10);
+        if (errno != 0 || end == val || *end != '\0' || v < o->min || v > o->max)
+            return cli_usage_error(cmd, "%s: '%s' is not an integer in %ld..%ld", o->name, val,
+                                   o->min, o->max);
+        *(int *)o->dest = (int)v;
+        return 0;
+    }
+    case OPT_DURATION:
+    case OPT_DURATION_MS:
+        if (idem_duration_parse(val, o->kind == OPT_DURATION_MS, (int64_t *)o->dest) != 0)
+            return cli_usage_error(cmd, "%s: '%s' is not a duration (an integer with a unit: %s)",
+                                   o->name, val, o->kind == OPT_DURATION_MS ? "ms, s, m, h or d"
+                                                                            : "s, m, h or d");
+        return 0;
+    }
+    return 0;
+}
+
+/* Splits "--name=value"; returns the option matching name in opts or NULL. */
+static const cli_opt_t *find_opt(const cli_opt_t *opts, const char *arg, size_t namelen)
+{
+    for (const cli_opt_t *o = opts; o != NULL && o->name != NULL; o++)
+        if (strlen(o->name) == namelen && strncmp(o->name, arg, namelen) == 0)
+            return o;
+    return NULL;
+}
+
+int cli_parse(const char *cmd, const char *synopsis, int argc, char **argv, const cli_opt_t *opts,
+              cli_global_t *g)
+{
+    const char *level = NULL, *format = NULL;
+    const cli_opt_t globals[] = {
+        {"--pg", OPT_STRING, &g->pg, NULL, NULL, NULL, 0, 0},
+        {"--amqp", OPT_STRING, &g->amqp, NULL, NULL, NULL, 0, 0},
+        {"--exchange", OPT_STRING, &g->exchange, NULL, NULL, NULL, 0, 0},
+        {"--log-level", OPT_STRING, &level, NULL, NULL, NULL, 0, 0},
+        {"--log-format", OPT_STRING, &format, NULL, NULL, NULL, 0, 0},
+        {0},
+    };
+    for (int i = 1; i < argc; i++) {
+        const char *arg = argv[i];
+        if (strcmp(arg, "--help") == 0 || strcmp(arg, "-h") == 0) {
+            print_help(cmd, synopsis, opts);
+            return CLI_HELP_SHOWN;
+        }
+        if (strncmp(arg, "--", 2) != 0)
+            return cli_usage_error(cmd, "unexpected argument '%s'", arg);
+        const char *eq = strchr(arg, '=');
+        size_t namelen = eq ? (size_t)(eq - arg) : strlen(arg);
+        const cli_opt_t *o = find_opt(opts, arg, namelen);
+        if (o == NULL)
+            o = find_opt(globals, arg, namelen);
+        if (o == NULL)
+            return cli_usage_error(cmd, "unknown flag '%.*s'", (int)namelen, arg);
+        const char *val = NULL;
+        if (o->kind == OPT_FLAG) {
+            if (eq != NULL)
+                return cli_usage_error(cmd, "%s takes no value", o->name);
+        } else if (eq != NULL) {
+            val = eq + 1;
+        } else if (i + 1 < argc) {
+            val = argv[++i];
+        } else {
+            return cli_usage_error(cmd, "%s needs a value", o->name);
+        }
+        int rc = set_value(cmd, o, val);
+        if (rc != 0)
+            return rc;
+    }
+    if (level != NULL && idem_log_parse_level(level, &g->level) != IDEM_OK)
+        return cli_usage_error(cmd, "--log-level: '%s' is not one of debug, info, warn, error",
+                               level);
+    if (format != NULL && idem_log_parse_format(format, &g->format) != IDEM_OK)
+        return cli_usage_error(cmd, "--log-format: '%s' is not text or json", format);
+    if (g->exchange == NULL || g->exchange[0] == '\0')
+        return cli_usage_error(cmd, "--exchange needs a non-empty name");
+    cli_apply_logging(g);
+    return 0;
+}

@@ -1,0 +1,79 @@
+/* args.h - the CLI's flag parser: global flags anywhere, per-command tables, help with
+ * defaults, one-line usage errors (exit 2). */
+#ifndef IDEM_CLI_ARGS_H
+#define IDEM_CLI_ARGS_H
+
+#include <signal.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include <idem/log.h>
+
+#define CLI_EXIT_OK 0
+#define CLI_EXIT_FAIL 1
+#define CLI_EXIT_USAGE 2
+#define CLI_HELP_SHOWN (-1) /* cli_parse printed help: exit 0 */
+
+typedef struct cli_global {
+    const char *pg;       /* conninfo; "" = PG* defaults */
+    const char *amqp;     /* AMQP URL */
+    const char *exchange; /* exchange name */
+    idem_log_level level;
+    idem_log_format format;
+} cli_global_t;
+
+typedef enum {
+    OPT_FLAG,        /* bool *, no value */
+    OPT_INT,         /* int *, within [min, max] */
+    OPT_STRING,      /* const char ** */
+    OPT_LIST,        /* cli_list_t *, repeatable */
+    OPT_DURATION,    /* int64_t * milliseconds; units s m h d */
+    OPT_DURATION_MS, /* int64_t * milliseconds; units ms s m h d */
+} cli_opt_kind;
+
+#define CLI_LIST_MAX 64
+typedef struct cli_list {
+    const char *items[CLI_LIST_MAX + 1]; /* NULL-terminated */
+    int n;
+} cli_list_t;
+
+typedef struct cli_opt {
+    const char *name; /* "--prefetch" */
+    cli_opt_kind kind;
+    void *dest;
+    const char *metavar; /* "N", "DURATION" */
+    const char *def;     /* default as shown in --help, NULL = none */
+    const char *help;
+    long min, max; /* OPT_INT bounds */
+} cli_opt_t;
+
+/* Fills g from the environment and defaults. */
+void cli_global_init(cli_global_t *g);
+
+/* Parses argv[1..argc) of command cmd against opts (terminated by a zero entry) and the global
+ * flags. Returns 0, CLI_EXIT_USAGE (one line printed on stderr) or CLI_HELP_SHOWN. */
+int cli_parse(const char *cmd, const char *synopsis, int argc, char **argv, const cli_opt_t *opts,
+              cli_global_t *g);
+
+/* Applies g's log settings. */
+void cli_apply_logging(const cli_global_t *g);
+
+/* A usage error for cmd: prints "idem CMD: msg" and returns CLI_EXIT_USAGE. */
+int cli_usage_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* Signal handling for daemons: the first SIGTERM/SIGINT sets cli_stop, a second exits at once. */
+extern volatile sig_atomic_t cli_stop;
+void cli_install_signals(void);
+
+/* Command entry points; each returns the process exit status. */
+int cmd_migrate(int argc, char **argv, cli_global_t *g);
+int cmd_consume(int argc, char **argv, cli_global_t *g);
+int cmd_relay(int argc, char **argv, cli_global_t *g);
+int cmd_emit(int argc, char **argv, cli_global_t *g);
+int cmd_status(int argc, char **argv, cli_global_t *g);
+int cmd_failed(int argc, char **argv, cli_global_t *g);
+int cmd_replay(int argc, char **argv, cli_global_t *g);
+int cmd_retain(int argc, char **argv, cli_global_t *g);
+
+#endif

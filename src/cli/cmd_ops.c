@@ -1,0 +1,254 @@
+/* cmd_ops.c - the operator's one-shot commands: `status`, `failed`, `replay`, `retain`. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <idem/idem.h>
+
+#include "args.h"
+#include "pg.h"
+#include "uuid.h"
+
+#define STATUS_EXIT_THRESHOLD 1
+#define STATUS_EXIT_UNREACHABLE 3
+#define DAY_MS (24LL * 3600 * 1000)
+#define JSON_FLAGS (JSON_COMPACT | JSON_REAL_PRECISION(15))
+
+/* Connects for a one-shot command; on failure prints the one contract line. */
+static PGconn *connect_or_say(const char *cmd, const cli_global_t *g)
+{
+    idem_error_t err = {0};
+    PGconn *conn = idemp_pg_connect_once(g->pg, &err);
+    if (conn == NULL)
+        fprintf(stderr, "idem %s: %s\n", cmd, err.text);
+    return conn;
+}
+
+static int fail(const char *cmd, const idem_error_t *err, int code)
+{
+    fprintf(stderr, "idem %s: %s\n", cmd, err->text[0] ? err->text : idem_strerror(err->code));
+    return code;
+}
+
+static void print_json(json_t *doc)
+{
+    char *s = json_dumps(doc, JSON_FLAGS);
+    if (s != NULL) {
+        puts(s);
+        free(s);
+    }
+}
+
+/* "-" for null, "12.3s" otherwise. */
+static void fmt_age(json_t *v, char *out, size_t sz)
+{
+    if (!json_is_number(v))
+        snprintf(out, sz, "-");
+    else
+        snprintf(out, sz, "%.1fs", json_number_value(v));
+}
+
+static void print_status_text(json_t *doc)
+{
+    json_t *types = json_object_get(doc, "event_types");
+    json_t *totals = json_object_get(doc, "totals");
+    json_t *ledger = json_object_get(doc, "ledger");
+    char age[32];
+    printf("%-32s %10s %16s %10s\n", "EVENT TYPE", "PENDING", "OLDEST PENDING", "FAILED");
+    size_t i;
+    json_t *t;
+    json_array_foreach(types, i, t)
+    {
+        fmt_age(json_object_get(t, "oldest_pending_seconds"), age, sizeof age);
+        printf("%-32s %10" JSON_INTEGER_FORMAT " %16s %10" JSON_INTEGER_FORMAT "\n",
+               json_string_value(json_object_get(t, "event_type")),
+               json_integer_value(json_object_get(t, "pending")), age,
+               json_integer_value(json_object_get(t, "failed")));
+    }
+    fmt_age(json_object_get(totals, "oldest_pending_seconds"), age, sizeof age);
+    printf("%-32s %10" JSON_INTEGER_FORMAT " %16s %10" JSON_INTEGER_FORMAT "\n", "total",
+           json_integer_value(json_object_get(totals, "pending")), age,
+           json_integer_value(json_object_get(totals, "failed")));
+    const char *oldest = json_string_value(json_object_get(ledger, "oldest_consumed_at"));
+    printf("ledger: %" JSON_INTEGER_FORMAT " rows, oldest consumed at %s\n",
+           json_integer_value(json_object_get(ledger, "rows")), oldest ? oldest : "-");
+}
+
+int cmd_status(int argc, char **argv, cli_global_t *g)
+{
+    bool as_json = false;
+    int64_t max_age_ms = -1;
+    const cli_opt_t opts[] = {
+        {"--json", OPT_FLAG, &as_json, NULL, NULL, "print the contract's JSON document", 0, 0},
+        {"--max-age", OPT_DURATION, &max_age_ms, "DURATION", "none",
+         "exit 1 when the oldest pending row is older than this", 0, 0},
+        {0},
+    };
+    int rc = cli_parse("status", "[--json] [--max-age DURATION]", argc, argv, opts, g);
+    if (rc != 0)
+        return rc == CLI_HELP_SHOWN ? CLI_EXIT_OK : rc;
+    PGconn *conn = connect_or_say("status", g);
+    if (conn == NULL)
+        return STATUS_EXIT_UNREACHABLE;
+    idem_error_t err = {0};
+    json_t *doc = NULL;
+    rc = idem_status_query(conn, &doc, &err);
+    PQfinish(conn);
+    if (rc != IDEM_OK)
+        return fail("status", &err, STATUS_EXIT_UNREACHABLE);
+    if (as_json)
+        print_json(doc);
+    else
+        print_status_text(doc);
+    int exit_code = CLI_EXIT_OK;
+    json_t *oldest = json_object_get(json_object_get(doc, "totals"), "oldest_pending_seconds");
+    if (max_age_ms >= 0 && json_is_number(oldest) &&
+        json_number_value(oldest) * 1000.0 > (double)max_age_ms) {
+        fprintf(stderr,
+                "idem status: oldest pending row is %.1fs old, over --max-age %.0fs\n",
+                json_number_value(oldest), (double)max_age_ms / 1000.0);
+        exit_code = STATUS_EXIT_THRESHOLD;
+    }
+    json_decref(doc);
+    return exit_code;
+}
+
+/* Prints s on one line (newlines and tabs of server messages become spaces). */
+static void put_oneline(const char *s)
+{
+    for (; s != NULL && *s; s++)
+        putchar((*s == '\n' || *s == '\r' || *s == '\t') ? ' ' : *s);
+}
+
+int cmd_failed(int argc, char **argv, cli_global_t *g)
+{
+    bool as_json = false;
+    const cli_opt_t opts[] = {
+        {"--json", OPT_FLAG, &as_json, NULL, NULL, "print a JSON array of the failed rows", 0, 0},
+        {0},
+    };
+    int rc = cli_parse("failed", "[--json]", argc, argv, opts, g);
+    if (rc != 0)
+        return rc == CLI_HELP_SHOWN ? CLI_EXIT_OK : rc;
+    PGconn *conn = connect_or_say("failed", g);
+    if (conn == NULL)
+        return CLI_EXIT_FAIL;
+    idem_error_t err = {0};
+    json_t *list = NULL;
+    rc = idem_failed_list(conn, &list, &err);
+    PQfinish(conn);
+    if (rc != IDEM_OK)
+        return fail("failed", &err, CLI_EXIT_FAIL);
+    if (as_json) {
+        print_json(list);
+    } else {
+        size_t i;
+        json_t *row;
+        json_array_foreach(list, i, row)
+        {
+            printf("%s %s attempts=%" JSON_INTEGER_FORMAT " created_at=%s subscription_id=%s "
+                   "outbox_id=%s last_error=",
+                   json_string_value(json_object_get(row, "event_id")),
+                   json_string_value(json_object_get(row, "event_type")),
+                   json_integer_value(json_object_get(row, "attempts")),
+                   json_string_value(json_object_get(row, "created_at")),
+                   json_string_value(json_object_get(row, "subscription_id")),
+                   json_string_value(json_object_get(row, "outbox_id")));
+            const char *e = json_string_value(json_object_get(row, "last_error"));
+            put_oneline(e ? e : "-");
+            putchar('\n');
+        }
+        if (json_array_size(list) == 0)
+            fprintf(stderr, "idem failed: no failed rows\n");
+    }
+    json_decref(list);
+    return CLI_EXIT_OK;
+}
+
+int cmd_replay(int argc, char **argv, cli_global_t *g)
+{
+    const char *event_id = NULL;
+    bool all = false;
+    int64_t window_ms = 30 * DAY_MS;
+    const cli_opt_t opts[] = {
+        {"--event-id", OPT_STRING, &event_id, "UUID", NULL, "the failed row to replay", 0, 0},
+        {"--all-failed", OPT_FLAG, &all, NULL, NULL, "replay every failed row", 0, 0},
+        {"--dedup-window", OPT_DURATION, &window_ms, "DURATION", "30d",
+         "the consumers' dedup window; older rows are refused", 0, 0},
+        {0},
+    };
+    const char *synopsis = "(--event-id UUID | --all-failed) [--dedup-window DURATION]";
+    int rc = cli_parse("replay", synopsis, argc, argv, opts, g);
+    if (rc != 0)
+        return rc == CLI_HELP_SHOWN ? CLI_EXIT_OK : rc;
+    if ((event_id != NULL) == all)
+        return cli_usage_error("replay", "give exactly one of --event-id UUID or --all-failed");
+    char id[37];
+    if (event_id != NULL) {
+        /* the same forms PostgreSQL's uuid accepts; checked before connecting */
+        if (!idemp_uuid_normalize(event_id, strlen(event_id), id))
+            return cli_usage_error("replay", "--event-id: '%s' is not a UUID", event_id);
+        event_id = id;
+    }
+    PGconn *conn = connect_or_say("replay", g);
+    if (conn == NULL)
+        return CLI_EXIT_FAIL;
+    idem_error_t err = {0};
+    int n = 0;
+    rc = idem_replay(conn, event_id, window_ms, &n, &err);
+    PQfinish(conn);
+    if (rc == IDEM_ERR_INVALID)
+        return fail("replay", &err, CLI_EXIT_USAGE);
+    if (rc != IDEM_OK)
+        return fail("replay", &err, CLI_EXIT_FAIL);
+    printf("replayed %d failed row%s: returned to pending\n", n, n == 1 ? "" : "s");
+    return CLI_EXIT_OK;
+}
+
+int cmd_retain(int argc, char **argv, cli_global_t *g)
+{
+    idem_retain_config_t cfg;
+    idem_retain_config_init(&cfg);
+    const cli_opt_t opts[] = {
+        {"--outbox-keep", OPT_DURATION, &cfg.outbox_keep_ms, "DURATION", "7d",
+         "delete sent outbox rows older than this (by sent_at)", 0, 0},
+        {"--dedup-window", OPT_DURATION, &cfg.dedup_window_ms, "DURATION", "30d",
+         "delete ledger rows older than this (by consumed_at)", 0, 0},
+        {"--batch", OPT_INT, &cfg.batch, "N", "5000",
+         "rows per DELETE statement (each its own transaction)", 1, 1000000},
+        {"--force", OPT_FLAG, &cfg.force, NULL, NULL,
+         "allow a dedup window shorter than the outbox window or 1d", 0, 0},
+        {0},
+    };
+    const char *synopsis =
+        "[--outbox-keep DURATION] [--dedup-window DURATION] [--batch N] [--force]";
+    int rc = cli_parse("retain", synopsis, argc, argv, opts, g);
+    if (rc != 0)
+        return rc == CLI_HELP_SHOWN ? CLI_EXIT_OK : rc;
+    idem_error_t err = {0};
+    if (idem_retain_check(&cfg, &err) != IDEM_OK)
+        return fail("retain", &err, CLI_EXIT_USAGE);
+    PGconn *conn = connect_or_say("retain", g);
+    if (conn == NULL)
+        return CLI_EXIT_FAIL;
+    cli_install_signals();
+    cfg.stop = &cli_stop;
+    idem_retain_result_t res;
+    rc = idem_retain_run(conn, &cfg, &res, &err);
+    PQfinish(conn);
+    if (rc != IDEM_OK && rc != IDEM_ERR_INTERRUPTED)
+        return fail("retain", &err, CLI_EXIT_FAIL);
+    if (res.skipped) {
+        printf("skipped: another retention run is active\n");
+        return CLI_EXIT_OK;
+    }
+    printf("event_outbox: deleted %" PRId64 " rows in %" PRId64 " batches\n", res.outbox_deleted,
+           res.outbox_batches);
+    printf("consumed_events: deleted %" PRId64 " rows in %" PRId64 " batches\n",
+           res.ledger_deleted, res.ledger_batches);
+    if (rc == IDEM_ERR_INTERRUPTED)
+        fprintf(stderr, "idem retain: interrupted; stopped between batches (run again to "
+                        "finish)\n");
+    return CLI_EXIT_OK;
+}

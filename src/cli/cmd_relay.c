@@ -1,0 +1,64 @@
+/* cmd_relay.c - `idem relay`: publishes pending outbox rows with confirms. */
+#include <stdio.h>
+
+#include <idem/idem.h>
+
+#include "args.h"
+
+int cmd_relay(int argc, char **argv, cli_global_t *g)
+{
+    idem_relay_config_t cfg;
+    idem_relay_config_init(&cfg);
+    bool once = false;
+    const cli_opt_t opts[] = {
+        {"--once", OPT_FLAG, &once, NULL, NULL, "publish what is due, then exit", 0, 0},
+        {"--batch", OPT_INT, &cfg.batch, "N", "200", "rows claimed per transaction", 1, 100000},
+        {"--max-attempts", OPT_INT, &cfg.max_attempts, "N", "8",
+         "nacks/returns before a row is parked as failed", 1, 1000000},
+        {"--backoff-base", OPT_DURATION_MS, &cfg.backoff_base_ms, "DURATION", "1s",
+         "first retry delay of a row, doubling per attempt", 0, 0},
+        {"--backoff-max", OPT_DURATION_MS, &cfg.backoff_max_ms, "DURATION", "5m",
+         "longest retry delay of a row", 0, 0},
+        {"--poll-interval", OPT_DURATION_MS, &cfg.poll_interval_ms, "DURATION", "200ms",
+         "backstop poll when no NOTIFY arrives", 0, 0},
+        {"--metrics-port", OPT_INT, &cfg.metrics_port, "PORT", "none",
+         "serve Prometheus metrics at /metrics", 1, 65535},
+        {0},
+    };
+    int rc = cli_parse("relay",
+                       "[--once] [--batch N] [--max-attempts N] [--backoff-base D] "
+                       "[--backoff-max D] [--poll-interval D] [--metrics-port PORT]",
+                       argc, argv, opts, g);
+    if (rc != 0)
+        return rc == CLI_HELP_SHOWN ? CLI_EXIT_OK : rc;
+    if (cfg.poll_interval_ms < 1)
+        return cli_usage_error("relay", "--poll-interval must be at least 1ms");
+    if (cfg.backoff_max_ms < cfg.backoff_base_ms)
+        return cli_usage_error("relay", "--backoff-max must not be below --backoff-base");
+    cfg.once = once;
+    cfg.pg_conninfo = g->pg;
+    cfg.amqp_url = g->amqp;
+    cfg.exchange = g->exchange;
+    cfg.stop = &cli_stop;
+
+    idem_error_t err = {0};
+    idem_relay_t *r = idem_relay_new(&cfg, &err);
+    if (r == NULL) {
+        fprintf(stderr, "idem relay: %s\n", err.text);
+        return err.code == IDEM_ERR_INVALID ? CLI_EXIT_USAGE : CLI_EXIT_FAIL;
+    }
+    cli_install_signals();
+    rc = idem_relay_run(r, &err);
+    idem_relay_stats_t st;
+    idem_relay_get_stats(r, &st);
+    idem_relay_free(r);
+    if (rc != IDEM_OK) {
+        fprintf(stderr, "idem relay: %s\n", err.text);
+        return CLI_EXIT_FAIL;
+    }
+    if (once)
+        printf("published %llu, failed attempts %llu, parked %llu\n",
+               (unsigned long long)st.published, (unsigned long long)st.failures,
+               (unsigned long long)st.parked);
+    return CLI_EXIT_OK;
+}

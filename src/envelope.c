@@ -1,0 +1,124 @@
+/* envelope.c - validating a delivery before any database work. */
+#include <stdio.h>
+#include <string.h>
+
+#include "envelope.h"
+#include "uuid.h"
+
+static const char *const dl_names[IDEMP_DL_COUNT] = {
+    "",
+    "malformed_json",
+    "missing_event_id",
+    "invalid_event_id",
+    "unknown_type",
+    "oversized",
+    "invalid_payload",
+    "handler_rejected",
+    "retries_exhausted",
+    "stale",
+};
+
+const char *idemp_dl_code_name(idemp_dl_code code)
+{
+    return (code >= 0 && code < IDEMP_DL_COUNT) ? dl_names[code] : "";
+}
+
+static bool present(idemp_str_t s)
+{
+    return s.ptr != NULL && s.len > 0;
+}
+
+/* Printable, bounded copy of a field for a detail message. */
+static void show(idemp_str_t s, char *out, size_t sz)
+{
+    size_t o = 0;
+    for (size_t i = 0; i < s.len && o + 4 < sz; i++) {
+        unsigned char ch = (unsigned char)s.ptr[i];
+        out[o++] = (ch >= 0x20 && ch < 0x7f) ? (char)ch : '?';
+    }
+    if (s.len > 0 && o + 4 >= sz)
+        memcpy(out + o - 3, "...", 3);
+    out[o] = '\0';
+}
+
+idemp_dl_code idemp_envelope_parse(const idemp_envelope_in_t *in, int64_t max_bytes,
+                                   int64_t now_ms, int64_t window_ms, idemp_envelope_t *out,
+                                   char *detail, size_t detail_sz)
+{
+    char buf[80];
+    memset(out, 0, sizeof *out);
+    detail[0] = '\0';
+
+    if ((int64_t)in->body_len > max_bytes) {
+        snprintf(detail, detail_sz, "body is %zu bytes, limit %lld", in->body_len,
+                 (long long)max_bytes);
+        return IDEMP_DL_OVERSIZED;
+    }
+
+    idemp_str_t id = in->message_id;
+    const char *id_src = "message_id";
+    if (!present(id)) {
+        if (in->hdr_event_id_bad_kind) {
+            snprintf(detail, detail_sz, "event_id header is not a string");
+            return IDEMP_DL_INVALID_EVENT_ID;
+        }
+        id = in->hdr_event_id;
+        id_src = "event_id header";
+    }
+    if (!present(id)) {
+        snprintf(detail, detail_sz, "no message_id property and no event_id header");
+        return IDEMP_DL_MISSING_EVENT_ID;
+    }
+    if (!idemp_uuid_normalize(id.ptr, id.len, out->event_id)) {
+        show(id, buf, sizeof buf);
+        snprintf(detail, detail_sz, "%s '%s' is not a UUID", id_src, buf);
+        return IDEMP_DL_INVALID_EVENT_ID;
+    }
+
+    idemp_str_t type = present(in->type)             ? in->type
+                       : present(in->hdr_event_type) ? in->hdr_event_type
+                                                     : in->routing_key;
+    if (type.ptr == NULL)
+        type.len = 0;
+    if (type.len >= sizeof out->event_type) {
+        snprintf(detail, detail_sz, "event type is %zu bytes long", type.len);
+        return IDEMP_DL_UNKNOWN_TYPE;
+    }
+    if (type.len > 0)
+        memcpy(out->event_type, type.ptr, type.len);
+    out->event_type[type.len] = '\0';
+
+    json_error_t jerr;
+    json_t *doc = json_loadb(in->body ? in->body : "", in->body_len,
+                             JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &jerr);
+    if (doc == NULL) {
+        snprintf(detail, detail_sz, "line %d column %d: %s", jerr.line, jerr.column, jerr.text);
+        return IDEMP_DL_MALFORMED_JSON;
+    }
+    if (!json_is_object(doc)) {
+        snprintf(detail, detail_sz, "payload is a JSON %s, not an object",
+                 json_is_array(doc)    ? "array"
+                 : json_is_string(doc) ? "string"
+                 : json_is_number(doc) ? "number"
+                                       : "literal");
+        json_decref(doc);
+        return IDEMP_DL_INVALID_PAYLOAD;
+    }
+
+    if (in->has_timestamp && window_ms > 0) {
+        int64_t age_ms = now_ms - in->timestamp_s * 1000;
+        if (age_ms > window_ms) {
+            snprintf(detail, detail_sz,
+                     "timestamp is %lld s old, older than the dedup window of %lld s",
+                     (long long)(age_ms / 1000), (long long)(window_ms / 1000));
+            json_decref(doc);
+            return IDEMP_DL_STALE;
+        }
+    }
+
+    const char *sub = json_string_value(json_object_get(doc, "subscription_id"));
+    if (sub == NULL || !idemp_uuid_normalize(sub, strlen(sub), out->subscription_id))
+        out->subscription_id[0] = '\0';
+    out->payload = doc;
+    return IDEMP_DL_NONE;
+}

@@ -1,0 +1,64 @@
+/* envelope.h - validating a delivery before any database work: size, event id, event type,
+ * JSON body, dedup-window age. Pure logic over plain strings (no AMQP types), so it is tested
+ * without servers. */
+#ifndef IDEM_ENVELOPE_H
+#define IDEM_ENVELOPE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <jansson.h>
+
+/* Dead-letter codes of the contract; their names are the wire text of x-idem-error. */
+typedef enum idemp_dl_code {
+    IDEMP_DL_NONE = 0,
+    IDEMP_DL_MALFORMED_JSON,
+    IDEMP_DL_MISSING_EVENT_ID,
+    IDEMP_DL_INVALID_EVENT_ID,
+    IDEMP_DL_UNKNOWN_TYPE,
+    IDEMP_DL_OVERSIZED,
+    IDEMP_DL_INVALID_PAYLOAD,
+    IDEMP_DL_HANDLER_REJECTED,
+    IDEMP_DL_RETRIES_EXHAUSTED,
+    IDEMP_DL_STALE,
+    IDEMP_DL_COUNT
+} idemp_dl_code;
+
+const char *idemp_dl_code_name(idemp_dl_code code); /* "malformed_json", ...; "" for NONE */
+
+/* A string field of the delivery; ptr NULL when absent. Not NUL-terminated. */
+typedef struct idemp_str {
+    const char *ptr;
+    size_t len;
+} idemp_str_t;
+
+typedef struct idemp_envelope_in {
+    idemp_str_t message_id;     /* property */
+    idemp_str_t hdr_event_id;   /* header "event_id" (string kinds only) */
+    bool hdr_event_id_bad_kind; /* header present but not a string */
+    idemp_str_t type;           /* property */
+    idemp_str_t hdr_event_type; /* header "event_type" */
+    idemp_str_t routing_key;
+    bool has_timestamp;
+    int64_t timestamp_s;
+    const char *body;
+    size_t body_len;
+} idemp_envelope_in_t;
+
+typedef struct idemp_envelope {
+    char event_id[37];        /* lowercase canonical */
+    char event_type[256];
+    json_t *payload;          /* new reference: a JSON object */
+    char subscription_id[37]; /* payload's subscription_id when it is a UUID, else "" */
+} idemp_envelope_t;
+
+/* Validates in. On IDEMP_DL_NONE, out is filled (caller json_decrefs out->payload). Otherwise
+ * detail receives the reason and out->payload is NULL. now_ms is wall-clock time; a delivery
+ * whose timestamp is older than window_ms is stale (no timestamp: never stale). The event type
+ * is not checked against handlers here (the caller knows them). */
+idemp_dl_code idemp_envelope_parse(const idemp_envelope_in_t *in, int64_t max_bytes,
+                                   int64_t now_ms, int64_t window_ms, idemp_envelope_t *out,
+                                   char *detail, size_t detail_sz);
+
+#endif

@@ -1,0 +1,27 @@
+/* fault.c - fault seams for crash tests. */
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <idem/log.h>
+
+#include "fault.h"
+
+void idemp_fault_point(const char *point)
+{
+    static int hits;
+    const char *spec = getenv("IDEM_FAULT");
+    if (spec == NULL || *spec == '\0')
+        return;
+    size_t n = strlen(point);
+    if (strncmp(spec, point, n) != 0 || (spec[n] != '\0' && spec[n] != ':'))
+        return;
+    long want = spec[n] == ':' ? strtol(spec + n + 1, NULL, 10) : 1;
+    if (++hits < (want > 0 ? want : 1))
+        return;
+    const char *kv[] = {"point", point, NULL};
+    idem_log(IDEM_LOG_WARN, "fault", kv, "IDEM_FAULT reached, killing the process");
+    kill(getpid(), SIGKILL);
+    _exit(137);
+}

@@ -1,0 +1,102 @@
+/* mask.c - hiding passwords in URLs and conninfo strings. */
+#include <ctype.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <libpq-fe.h>
+
+#include "mask.h"
+
+static void put(char *out, size_t outsz, size_t *o, char ch)
+{
+    if (*o + 1 < outsz)
+        out[(*o)++] = ch;
+}
+
+static void puts_n(char *out, size_t outsz, size_t *o, const char *s)
+{
+    while (*s)
+        put(out, outsz, o, *s++);
+}
+
+void idemp_mask_secrets(const char *in, char *out, size_t outsz)
+{
+    size_t o = 0;
+    if (outsz == 0)
+        return;
+    for (size_t i = 0; in[i];) {
+        /* URL userinfo: scheme://user:secret@ */
+        if (in[i] == ':' && in[i + 1] == '/' && in[i + 2] == '/') {
+            puts_n(out, outsz, &o, "://");
+            i += 3;
+            size_t j = i;
+            while (in[j] && in[j] != '@' && in[j] != '/' && !isspace((unsigned char)in[j]))
+                j++;
+            if (in[j] == '@') {
+                const char *colon = memchr(in + i, ':', j - i);
+                if (colon != NULL) {
+                    while (in + i < colon)
+                        put(out, outsz, &o, in[i++]);
+                    puts_n(out, outsz, &o, ":***");
+                    i = j;
+                }
+            }
+            continue;
+        }
+        /* conninfo keyword: password=secret or password='se cret' */
+        if ((i == 0 || !isalnum((unsigned char)in[i - 1])) && strncmp(in + i, "password", 8) == 0) {
+            size_t j = i + 8;
+            while (in[j] == ' ')
+                j++;
+            if (in[j] == '=') {
+                j++;
+                while (in[j] == ' ')
+                    j++;
+                puts_n(out, outsz, &o, "password=***");
+                if (in[j] == '\'') {
+                    j++;
+                    while (in[j] && in[j] != '\'') {
+                        if (in[j] == '\\' && in[j + 1])
+                            j++;
+                        j++;
+                    }
+                    if (in[j] == '\'')
+                        j++;
+                } else {
+                    while (in[j] && !isspace((unsigned char)in[j]) && in[j] != '&')
+                        j++;
+                }
+                i = j;
+                continue;
+            }
+        }
+        put(out, outsz, &o, in[i++]);
+    }
+    out[o] = '\0';
+}
+
+void idemp_pg_where(const char *conninfo, char *out, size_t outsz)
+{
+    const char *host = NULL, *port = NULL;
+    char *errmsg = NULL;
+    PQconninfoOption *opts = PQconninfoParse(conninfo ? conninfo : "", &errmsg);
+    if (opts != NULL) {
+        for (PQconninfoOption *p = opts; p->keyword; p++) {
+            if (strcmp(p->keyword, "host") == 0 && p->val && *p->val)
+                host = p->val;
+            else if (strcmp(p->keyword, "hostaddr") == 0 && p->val && *p->val && !host)
+                host = p->val;
+            else if (strcmp(p->keyword, "port") == 0 && p->val && *p->val)
+                port = p->val;
+        }
+    }
+    if (host == NULL)
+        host = getenv("PGHOST");
+    if (port == NULL)
+        port = getenv("PGPORT");
+    snprintf(out, outsz, "%s:%s", host && *host ? host : "localhost", port && *port ? port : "5432");
+    if (opts != NULL)
+        PQconninfoFree(opts);
+    PQfreemem(errmsg);
+}

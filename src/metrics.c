@@ -1,0 +1,273 @@
+/* metrics.c - the process's counters and the Prometheus /metrics endpoint (libmicrohttpd).
+ *
+ * Writers (the consumer or relay loop) touch only C11 atomics; the HTTP thread reads them and
+ * renders text format 0.0.4 on each scrape. Nothing is locked. */
+#include <errno.h>
+#include <math.h>
+#include <netinet/in.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <microhttpd.h>
+
+#include "metrics.h"
+
+/* Upper bounds of idem_batch_duration_seconds, 1 ms to 10 s (+Inf is implicit). */
+static const double bucket_le[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                   0.25,  0.5,    1.0,   2.5,  5.0,   10.0};
+#define NBUCKETS (sizeof bucket_le / sizeof bucket_le[0])
+
+struct idemp_metrics {
+    idemp_role role;
+    _Atomic uint64_t counters[IDEMP_M_COUNT];
+    _Atomic uint64_t dead_letters[IDEMP_DL_COUNT];
+    _Atomic uint64_t reconnects[2];          /* by idemp_server */
+    _Atomic uint64_t buckets[NBUCKETS + 1];  /* per bucket (not cumulative); last = +Inf */
+    _Atomic uint64_t duration_sum_ns;        /* ns: integer atomics add without a CAS loop */
+    _Atomic uint64_t duration_count;
+    _Atomic int64_t oldest_pending_us;       /* < 0: no pending rows */
+    struct MHD_Daemon *daemon;
+};
+
+idemp_metrics_t *idemp_metrics_new(idemp_role role)
+{
+    idemp_metrics_t *m = calloc(1, sizeof *m);
+    if (m == NULL)
+        return NULL;
+    m->role = role;
+    for (size_t i = 0; i < IDEMP_M_COUNT; i++)
+        atomic_init(&m->counters[i], 0);
+    for (size_t i = 0; i < IDEMP_DL_COUNT; i++)
+        atomic_init(&m->dead_letters[i], 0);
+    atomic_init(&m->reconnects[0], 0);
+    atomic_init(&m->reconnects[1], 0);
+    for (size_t i = 0; i <= NBUCKETS; i++)
+        atomic_init(&m->buckets[i], 0);
+    atomic_init(&m->duration_sum_ns, 0);
+    atomic_init(&m->duration_count, 0);
+    atomic_init(&m->oldest_pending_us, -1);
+    return m;
+}
+
+void idemp_metrics_free(idemp_metrics_t *m)
+{
+    if (m == NULL)
+        return;
+    if (m->daemon != NULL)
+        MHD_stop_daemon(m->daemon); /* also closes the listen socket we handed it */
+    free(m);
+}
+
+void idemp_metrics_add(idemp_metrics_t *m, idemp_counter c, uint64_t n)
+{
+    if (m == NULL || c < 0 || c >= IDEMP_M_COUNT)
+        return;
+    atomic_fetch_add_explicit(&m->counters[c], n, memory_order_relaxed);
+}
+
+void idemp_metrics_dead_letter(idemp_metrics_t *m, idemp_dl_code code)
+{
+    if (m == NULL || code <= IDEMP_DL_NONE || code >= IDEMP_DL_COUNT)
+        return;
+    atomic_fetch_add_explicit(&m->dead_letters[code], 1, memory_order_relaxed);
+}
+
+void idemp_metrics_reconnect(idemp_metrics_t *m, idemp_server server)
+{
+    if (m == NULL || (server != IDEMP_SERVER_POSTGRES && server != IDEMP_SERVER_RABBITMQ))
+        return;
+    atomic_fetch_add_explicit(&m->reconnects[server], 1, memory_order_relaxed);
+}
+
+void idemp_metrics_batch_duration(idemp_metrics_t *m, double seconds)
+{
+    if (m == NULL || !(seconds >= 0.0) || isinf(seconds))
+        return;
+    size_t b = 0;
+    while (b < NBUCKETS && seconds > bucket_le[b])
+        b++;
+    atomic_fetch_add_explicit(&m->buckets[b], 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&m->duration_sum_ns, (uint64_t)llround(seconds * 1e9),
+                              memory_order_relaxed);
+    atomic_fetch_add_explicit(&m->duration_count, 1, memory_order_relaxed);
+}
+
+void idemp_metrics_oldest_pending(idemp_metrics_t *m, double seconds)
+{
+    if (m == NULL)
+        return;
+    int64_t us = (seconds >= 0.0 && !isinf(seconds)) ? (int64_t)llround(seconds * 1e6) : -1;
+    atomic_store_explicit(&m->oldest_pending_us, us, memory_order_relaxed);
+}
+
+uint64_t idemp_metrics_get(const idemp_metrics_t *m, idemp_counter c)
+{
+    if (m == NULL || c < 0 || c >= IDEMP_M_COUNT)
+        return 0;
+    /* atomic_load takes a non-const pointer in some C libraries' <stdatomic.h> */
+    return atomic_load_explicit((_Atomic uint64_t *)&m->counters[c], memory_order_relaxed);
+}
+
+/* ---------------------------------------------------------------- rendering */
+
+static uint64_t ld(_Atomic uint64_t *a)
+{
+    return atomic_load_explicit(a, memory_order_relaxed);
+}
+
+static void counter(FILE *f, const char *name, const char *help, uint64_t v)
+{
+    fprintf(f, "# HELP %s %s\n# TYPE %s counter\n%s %llu\n", name, help, name, name,
+            (unsigned long long)v);
+}
+
+static void render(idemp_metrics_t *m, FILE *f)
+{
+    if (m->role == IDEMP_ROLE_RELAY) {
+        counter(f, "idem_relay_published_total", "Outbox rows published and marked sent.",
+                ld(&m->counters[IDEMP_M_RELAY_PUBLISHED]));
+        counter(f, "idem_relay_publish_failures_total",
+                "Publishes that were returned, nacked or failed.",
+                ld(&m->counters[IDEMP_M_RELAY_PUBLISH_FAILURES]));
+        counter(f, "idem_relay_parked_total",
+                "Outbox rows marked failed after their last attempt.",
+                ld(&m->counters[IDEMP_M_RELAY_PARKED]));
+        int64_t us = atomic_load_explicit(&m->oldest_pending_us, memory_order_relaxed);
+        fprintf(f,
+                "# HELP idem_outbox_oldest_pending_seconds Age of the oldest pending outbox row "
+                "(0 when there is none).\n"
+                "# TYPE idem_outbox_oldest_pending_seconds gauge\n"
+                "idem_outbox_oldest_pending_seconds %.6f\n",
+                us > 0 ? (double)us / 1e6 : 0.0);
+    } else {
+        counter(f, "idem_consumer_applied_total",
+                "Deliveries claimed and committed (duplicates excluded).",
+                ld(&m->counters[IDEMP_M_CONSUMER_APPLIED]));
+        counter(f, "idem_consumer_duplicates_total",
+                "Deliveries whose event this consumer had already applied.",
+                ld(&m->counters[IDEMP_M_CONSUMER_DUPLICATES]));
+        counter(f, "idem_consumer_handler_errors_total", "Failed handler tries.",
+                ld(&m->counters[IDEMP_M_CONSUMER_HANDLER_ERRORS]));
+        fprintf(f, "# HELP idem_consumer_dead_lettered_total Deliveries dead-lettered, by "
+                   "reason code.\n# TYPE idem_consumer_dead_lettered_total counter\n");
+        for (int c = IDEMP_DL_NONE + 1; c < IDEMP_DL_COUNT; c++)
+            fprintf(f, "idem_consumer_dead_lettered_total{code=\"%s\"} %llu\n",
+                    idemp_dl_code_name((idemp_dl_code)c),
+                    (unsigned long long)ld(&m->dead_letters[c]));
+    }
+    fprintf(f, "# HELP idem_reconnects_total Reconnections to a server after a lost or failed "
+               "connection.\n# TYPE idem_reconnects_total counter\n");
+    fprintf(f, "idem_reconnects_total{server=\"postgres\"} %llu\n",
+            (unsigned long long)ld(&m->reconnects[IDEMP_SERVER_POSTGRES]));
+    fprintf(f, "idem_reconnects_total{server=\"rabbitmq\"} %llu\n",
+            (unsigned long long)ld(&m->reconnects[IDEMP_SERVER_RABBITMQ]));
+
+    /* Read the count first: a concurrent observation may then only make buckets run ahead of
+     * _count by a little, never behind. */
+    uint64_t count = ld(&m->duration_count);
+    uint64_t sum_ns = ld(&m->duration_sum_ns);
+    fprintf(f, "# HELP idem_batch_duration_seconds Time to process one batch (claim to "
+               "commit).\n# TYPE idem_batch_duration_seconds histogram\n");
+    uint64_t cum = 0;
+    for (size_t b = 0; b < NBUCKETS; b++) {
+        cum += ld(&m->buckets[b]);
+        fprintf(f, "idem_batch_duration_seconds_bucket{le=\"%g\"} %llu\n", bucket_le[b],
+                (unsigned long long)cum);
+    }
+    cum += ld(&m->buckets[NBUCKETS]);
+    if (cum < count)
+        cum = count;
+    fprintf(f, "idem_batch_duration_seconds_bucket{le=\"+Inf\"} %llu\n", (unsigned long long)cum);
+    fprintf(f, "idem_batch_duration_seconds_sum %.9f\n", (double)sum_ns / 1e9);
+    fprintf(f, "idem_batch_duration_seconds_count %llu\n", (unsigned long long)cum);
+}
+
+static enum MHD_Result reply(struct MHD_Connection *conn, unsigned int status, const char *ctype,
+                             char *body, size_t len)
+{
+    struct MHD_Response *r =
+        MHD_create_response_from_buffer(len, body, MHD_RESPMEM_MUST_COPY);
+    if (r == NULL)
+        return MHD_NO;
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
+    enum MHD_Result ret = MHD_queue_response(conn, status, r);
+    MHD_destroy_response(r);
+    return ret;
+}
+
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url,
+                                  const char *method, const char *version,
+                                  const char *upload_data, size_t *upload_data_size,
+                                  void **con_cls)
+{
+    idemp_metrics_t *m = cls;
+    static char not_found[] = "not found; try /metrics\n";
+    if (strcmp(method, MHD_HTTP_METHOD_GET) != 0 && strcmp(method, MHD_HTTP_METHOD_HEAD) != 0) {
+        static char bad_method[] = "only GET\n";
+        return reply(conn, MHD_HTTP_METHOD_NOT_ALLOWED, "text/plain", bad_method,
+                     sizeof bad_method - 1);
+    }
+    if (strcmp(url, "/metrics") != 0)
+        return reply(conn, MHD_HTTP_NOT_FOUND, "text/plain", not_found, sizeof not_found - 1);
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    if (f == NULL)
+        return MHD_NO;
+    render(m, f);
+    if (fclose(f) != 0) {
+        free(buf);
+        return MHD_NO;
+    }
+    enum MHD_Result ret =
+        reply(conn, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", buf, len);
+    free(buf);
+    return ret;
+}
+
+int idemp_metrics_serve(idemp_metrics_t *m, int port, idem_error_t *err)
+{
+    if (m == NULL || port == 0)
+        return IDEM_OK;
+    if (port < 0 || port > 65535)
+        return idem_error_set(err, IDEM_ERR_INVALID, "cannot serve metrics on port %d: not a "
+                                                     "TCP port", port);
+    if (m->daemon != NULL)
+        return idem_error_set(err, IDEM_ERR_INVALID, "metrics are already being served");
+    /* All interfaces, not 127.0.0.1: Prometheus usually scrapes from another host. The endpoint
+     * is read-only and carries counters only. We bind the socket ourselves so that a port in
+     * use is reported with the kernel's own reason (MHD_start_daemon only returns NULL). */
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return idem_error_set(err, IDEM_ERR_IO, "cannot serve metrics on port %d: socket: %s",
+                              port, strerror(errno));
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one); /* restart over TIME_WAIT */
+    struct sockaddr_in sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons((uint16_t)port);
+    sa.sin_addr.s_addr = htonl(INADDR_ANY);
+    if (bind(fd, (struct sockaddr *)&sa, sizeof sa) != 0 || listen(fd, 64) != 0) {
+        int e = errno;
+        close(fd);
+        return idem_error_set(err, IDEM_ERR_IO, "cannot serve metrics on port %d: %s", port,
+                              strerror(e));
+    }
+    m->daemon = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD, (uint16_t)port, NULL, NULL,
+                                 on_request, m, MHD_OPTION_LISTEN_SOCKET, fd,
+                                 MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)10,
+                                 MHD_OPTION_END);
+    if (m->daemon == NULL) {
+        close(fd);
+        return idem_error_set(err, IDEM_ERR_IO,
+                              "cannot serve metrics on port %d: libmicrohttpd failed to start",
+                              port);
+    }
+    return IDEM_OK;
+}

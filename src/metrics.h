@@ -1,0 +1,41 @@
+/* metrics.h - the process's counters and the Prometheus /metrics endpoint (libmicrohttpd).
+ * Every function accepts NULL metrics and then does nothing. Counters are atomic: the HTTP
+ * server reads them from its own thread. */
+#ifndef IDEM_METRICS_H
+#define IDEM_METRICS_H
+
+#include <stdint.h>
+
+#include <idem/error.h>
+
+#include "envelope.h"
+
+typedef enum { IDEMP_ROLE_CONSUMER, IDEMP_ROLE_RELAY } idemp_role;
+
+typedef enum {
+    IDEMP_M_RELAY_PUBLISHED,
+    IDEMP_M_RELAY_PUBLISH_FAILURES,
+    IDEMP_M_RELAY_PARKED,
+    IDEMP_M_CONSUMER_APPLIED,
+    IDEMP_M_CONSUMER_DUPLICATES,
+    IDEMP_M_CONSUMER_HANDLER_ERRORS,
+    IDEMP_M_COUNT
+} idemp_counter;
+
+typedef enum { IDEMP_SERVER_POSTGRES, IDEMP_SERVER_RABBITMQ } idemp_server;
+
+typedef struct idemp_metrics idemp_metrics_t;
+
+idemp_metrics_t *idemp_metrics_new(idemp_role role);
+/* Starts serving GET /metrics on port (all interfaces); port 0 does nothing. */
+int idemp_metrics_serve(idemp_metrics_t *m, int port, idem_error_t *err);
+void idemp_metrics_free(idemp_metrics_t *m);
+
+void idemp_metrics_add(idemp_metrics_t *m, idemp_counter c, uint64_t n);
+void idemp_metrics_dead_letter(idemp_metrics_t *m, idemp_dl_code code);
+void idemp_metrics_reconnect(idemp_metrics_t *m, idemp_server server);
+void idemp_metrics_batch_duration(idemp_metrics_t *m, double seconds);
+void idemp_metrics_oldest_pending(idemp_metrics_t *m, double seconds); /* gauge; <0 = none */
+uint64_t idemp_metrics_get(const idemp_metrics_t *m, idemp_counter c);
+
+#endif

@@ -1,0 +1,37 @@
+/* outbox.c - emitting through the transactional outbox from C. */
+#include <stdlib.h>
+#include <string.h>
+
+#include <idem/outbox.h>
+
+#include "pg.h"
+
+#define SQL_EMIT "SELECT idem_emit($1, $2::uuid, $3, $4::jsonb)"
+
+int idem_emit(PGconn *conn, const char *event_type, const char *subscription_id,
+              const char *dedup_key, const json_t *payload, char event_id_out[IDEM_UUID_LEN + 1],
+              idem_error_t *err)
+{
+    if (conn == NULL || event_type == NULL || *event_type == '\0' || subscription_id == NULL ||
+        dedup_key == NULL || *dedup_key == '\0' || !json_is_object(payload))
+        return idem_error_set(err, IDEM_ERR_INVALID,
+                              "idem_emit needs a connection, an event type, a subscription id, "
+                              "a dedup key and a JSON object payload");
+    char *body = json_dumps(payload, JSON_COMPACT);
+    if (body == NULL)
+        return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+    const char *params[] = {event_type, subscription_id, dedup_key, body};
+    PGresult *res;
+    int rc = idemp_pgconn_exec(conn, SQL_EMIT, 4, params, &res, err);
+    free(body);
+    if (rc != IDEM_OK)
+        return rc;
+    const char *id = PQntuples(res) == 1 ? PQgetvalue(res, 0, 0) : "";
+    if (strlen(id) != IDEM_UUID_LEN) {
+        PQclear(res);
+        return idem_error_set(err, IDEM_ERR_PG_QUERY, "idem_emit returned no event id");
+    }
+    memcpy(event_id_out, id, IDEM_UUID_LEN + 1);
+    PQclear(res);
+    return IDEM_OK;
+}

@@ -1,0 +1,633 @@
+/* relay.c - the outbox relay.
+ *
+ * One loop: claim due pending rows, publish them with confirms, mark the confirmed ones sent in
+ * the claiming transaction, COMMIT. Order per subscription holds across relays because a relay
+ * takes whole subscriptions (a transaction-level advisory lock per subscription) before it reads
+ * their rows, and reads them with a snapshot taken after it holds the lock: whatever the
+ * previous holder did is visible, and nobody else moves those rows until we commit. */
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <amqp.h>
+#include <amqp_framing.h>
+
+#include <idem/log.h>
+#include <idem/relay.h>
+
+#include "rmq.h"
+#include "backoff.h"
+#include "clock.h"
+#include "fault.h"
+#include "metrics.h"
+#include "pg.h"
+
+#define RECONNECT_BASE_MS 200
+#define RECONNECT_MAX_MS 5000
+#define GAUGE_EVERY_MS 1000
+
+/* Step 1: take the subscriptions of the oldest due rows that no other relay holds. */
+#define SQL_LOCK_SUBSCRIPTIONS                                                                     \
+    "SELECT DISTINCT s.subscription_id FROM ("                                                   \
+    "  SELECT o.subscription_id FROM event_outbox o"                                             \
+    "   WHERE o.status = 'pending' AND o.next_attempt_at <= now()"                               \
+    "     AND pg_try_advisory_xact_lock(7649, hashtext(o.subscription_id::text))"                \
+    "   ORDER BY o.seq LIMIT $1) s"
+
+/* Step 2: their due rows in emit order, stopping each subscription at its first row that waits
+ * for a retry (later rows wait behind it). */
+#define SQL_CLAIM_ROWS                                                                             \
+    "SELECT o.outbox_id, o.event_id, o.subscription_id, o.event_type, o.payload::text,"          \
+    "       o.attempts, extract(epoch FROM o.created_at)::bigint"                                 \
+    "  FROM event_outbox o"                                                                      \
+    " WHERE o.status = 'pending' AND o.subscription_id = ANY($1::uuid[])"                        \
+    "   AND o.next_attempt_at <= now()"                                                          \
+    "   AND NOT EXISTS (SELECT 1 FROM event_outbox e"                                            \
+    "                    WHERE e.subscription_id = o.subscription_id AND e.status = 'pending'"   \
+    "                      AND e.seq < o.seq AND e.next_attempt_at > now())"                     \
+    " ORDER BY o.seq LIMIT $2"                                                                   \
+    "   FOR UPDATE OF o SKIP LOCKED"
+
+#define SQL_MARK_SENT                                                                              \
+    "UPDATE event_outbox SET status = 'sent', sent_at = now()"                                   \
+    " WHERE outbox_id = ANY($1::uuid[]) AND status = 'pending'"
+
+/* A nack or return spends one attempt; the row waits base * 2^attempts (capped) or parks. */
+#define SQL_MARK_FAILED                                                                            \
+    "UPDATE event_outbox o"                                                                      \
+    "   SET attempts = o.attempts + 1, last_error = f.err,"                                      \
+    "       status = CASE WHEN o.attempts + 1 >= $2::int THEN 'failed' ELSE 'pending' END,"      \
+    "       next_attempt_at = now() + LEAST($4::float8, $3::float8 * power(2::float8,"           \
+    "                         LEAST(o.attempts, 60))) * interval '1 millisecond'"                \
+    "  FROM unnest($1::uuid[], $5::text[]) AS f(id, err)"                                        \
+    " WHERE o.outbox_id = f.id"                                                                  \
+    " RETURNING o.outbox_id, o.event_id, o.status, o.attempts"
+
+#define SQL_OLDEST_PENDING                                                                         \
+    "SELECT extract(epoch FROM now() - created_at) FROM event_outbox"                            \
+    " WHERE status = 'pending' ORDER BY seq LIMIT 1"
+
+enum rstate { R_SENT_WAIT, R_ACKED, R_NACKED, R_RETURNED };
+
+typedef struct row {
+    char outbox_id[37], event_id[37], subscription_id[37];
+    const char *event_type, *payload; /* borrowed from the claim result */
+    int64_t created_s;
+    uint64_t tag;
+    enum rstate state;
+} row_t;
+
+struct idem_relay {
+    idem_relay_config_t cfg;
+    char *pg_conninfo, *amqp_url, *exchange;
+    idemp_pg_t *pg;
+    idemp_amqp_t *amqp;
+    idemp_metrics_t *metrics;
+    idemp_backoff_t pg_backoff, amqp_backoff;
+    int64_t pg_next_ms, amqp_next_ms, gauge_next_ms;
+    bool pg_was_up, amqp_was_up;
+    idem_relay_stats_t stats;
+    row_t *rows;
+    size_t caprows;
+    volatile sig_atomic_t no_stop;
+};
+
+static const char *const LOGC = "relay";
+
+void idem_relay_config_init(idem_relay_config_t *cfg)
+{
+    memset(cfg, 0, sizeof *cfg);
+    cfg->exchange = "billing.events";
+    cfg->batch = 200;
+    cfg->max_attempts = 8;
+    cfg->backoff_base_ms = 1000;
+    cfg->backoff_max_ms = 5 * 60 * 1000;
+    cfg->poll_interval_ms = 200;
+    cfg->confirm_timeout_ms = 30000;
+}
+
+idem_relay_t *idem_relay_new(const idem_relay_config_t *cfg, idem_error_t *err)
+{
+    if (cfg->batch < 1 || cfg->max_attempts < 1 || cfg->backoff_base_ms < 0 ||
+        cfg->backoff_max_ms < cfg->backoff_base_ms || cfg->poll_interval_ms < 1) {
+        idem_error_set(err, IDEM_ERR_INVALID, "invalid relay configuration");
+        return NULL;
+    }
+    idem_relay_t *r = calloc(1, sizeof *r);
+    if (r == NULL)
+        goto nomem;
+    r->cfg = *cfg;
+    r->pg_conninfo = strdup(cfg->pg_conninfo ? cfg->pg_conninfo : "");
+    r->amqp_url = strdup(cfg->amqp_url ? cfg->amqp_url : "amqp://guest:guest@127.0.0.1:5672");
+    r->exchange = strdup(cfg->exchange ? cfg->exchange : "billing.events");
+    r->rows = calloc((size_t)cfg->batch, sizeof *r->rows);
+    if (!r->pg_conninfo || !r->amqp_url || !r->exchange || !r->rows)
+        goto nomem;
+    r->caprows = (size_t)cfg->batch;
+    r->pg = idemp_pg_new(r->pg_conninfo);
+    if (r->pg == NULL)
+        goto nomem;
+    r->amqp = idemp_amqp_new(r->amqp_url, err);
+    if (r->amqp == NULL) {
+        idem_relay_free(r);
+        return NULL;
+    }
+    idemp_backoff_init(&r->pg_backoff, RECONNECT_BASE_MS, RECONNECT_MAX_MS);
+    idemp_backoff_init(&r->amqp_backoff, RECONNECT_BASE_MS, RECONNECT_MAX_MS);
+    return r;
+nomem:
+    idem_relay_free(r);
+    idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+    return NULL;
+}
+
+void idem_relay_free(idem_relay_t *r)
+{
+    if (r == NULL)
+        return;
+    idemp_metrics_free(r->metrics);
+    idemp_amqp_free(r->amqp);
+    idemp_pg_free(r->pg);
+    free(r->rows);
+    free(r->pg_conninfo);
+    free(r->amqp_url);
+    free(r->exchange);
+    free(r);
+}
+
+void idem_relay_get_stats(const idem_relay_t *r, idem_relay_stats_t *out)
+{
+    *out = r->stats;
+}
+
+static bool stopping(const idem_relay_t *r)
+{
+    return r->cfg.stop != NULL && *r->cfg.stop;
+}
+
+/* ---- connections ------------------------------------------------------------------------ */
+
+static void schedule(idemp_backoff_t *b, int64_t *next_ms, const char *what, const char *text)
+{
+    int64_t wait = idemp_backoff_next(b);
+    wait = wait < RECONNECT_BASE_MS ? RECONNECT_BASE_MS : wait;
+    *next_ms = idemp_now_ms() + wait;
+    char w[32];
+    snprintf(w, sizeof w, "%lld", (long long)wait);
+    const char *kv[] = {"server", what, "retry_in_ms", w, NULL};
+    idem_log(IDEM_LOG_WARN, LOGC, kv, "%s", text);
+}
+
+/* Connects what is down. In once mode a failure is returned; as a daemon it is retried. */
+static int ensure_connected(idem_relay_t *r, idem_error_t *err)
+{
+    int64_t now = idemp_now_ms();
+    if (!idemp_pg_connected(r->pg) && now >= r->pg_next_ms) {
+        idem_error_t e = {0};
+        if (r->pg_was_up)
+            idemp_metrics_reconnect(r->metrics, IDEMP_SERVER_POSTGRES);
+        int rc = idemp_pg_connect(r->pg, &e);
+        if (rc == IDEM_OK && !r->cfg.once)
+            rc = idemp_pg_command(r->pg, "LISTEN idem_outbox", &e);
+        if (rc == IDEM_OK) {
+            idemp_backoff_reset(&r->pg_backoff);
+            r->pg_was_up = true;
+            const char *kv[] = {"server", idemp_pg_where_str(r->pg), NULL};
+            idem_log(IDEM_LOG_INFO, LOGC, kv, "connected to PostgreSQL");
+        } else {
+            idemp_pg_disconnect(r->pg);
+            if (r->cfg.once)
+                return idem_error_set(err, IDEM_ERR_PG_CONNECT, "%s", e.text);
+            schedule(&r->pg_backoff, &r->pg_next_ms, "postgres", e.text);
+        }
+    }
+    if (!idemp_amqp_connected(r->amqp) && now >= r->amqp_next_ms) {
+        idem_error_t e = {0};
+        if (r->amqp_was_up)
+            idemp_metrics_reconnect(r->metrics, IDEMP_SERVER_RABBITMQ);
+        int rc = idemp_amqp_connect(r->amqp, true, &e);
+        if (rc == IDEM_OK)
+            rc = idemp_amqp_declare_exchange(r->amqp, r->exchange, &e);
+        if (rc == IDEM_OK) {
+            idemp_backoff_reset(&r->amqp_backoff);
+            r->amqp_was_up = true;
+            const char *kv[] = {"server", idemp_amqp_where(r->amqp), "exchange", r->exchange,
+                                NULL};
+            idem_log(IDEM_LOG_INFO, LOGC, kv, "connected to RabbitMQ, publishing with confirms");
+        } else {
+            idemp_amqp_disconnect(r->amqp);
+            if (r->cfg.once)
+                return idem_error_set(err, rc == IDEM_ERR_AMQP_CONNECT ? rc : IDEM_ERR_AMQP_CONNECT,
+                                      "%s", e.text);
+            schedule(&r->amqp_backoff, &r->amqp_next_ms, "rabbitmq", e.text);
+        }
+    }
+    return IDEM_OK;
+}
+
+/* ---- one batch --------------------------------------------------------------------------- */
+
+/* Appends s to a PostgreSQL array literal as a quoted element. */
+static bool array_append(char **buf, size_t *len, size_t *cap, const char *s, bool first)
+{
+    size_t need = *len + strlen(s) * 2 + 8;
+    if (need > *cap) {
+        size_t ncap = *cap ? *cap : 1024;
+        while (ncap < need)
+            ncap *= 2;
+        char *nb = realloc(*buf, ncap);
+        if (nb == NULL)
+            return false;
+        *buf = nb;
+        *cap = ncap;
+    }
+    char *p = *buf + *len;
+    if (!first)
+        *p++ = ',';
+    *p++ = '"';
+    for (; *s; s++) {
+        if (*s == '"' || *s == '\\')
+            *p++ = '\\';
+        *p++ = *s;
+    }
+    *p++ = '"';
+    *p = '\0';
+    *len = (size_t)(p - *buf);
+    return true;
+}
+
+struct confirm_ctx {
+    row_t *rows;
+    size_t n;
+    uint64_t first_tag;
+};
+
+static void on_confirm(void *ud, idemp_confirm_kind kind, uint64_t tag, bool multiple,
+                       const amqp_message_t *m)
+{
+    struct confirm_ctx *cx = ud;
+    if (kind == IDEMP_CONFIRM_RETURN) {
+        const amqp_basic_properties_t *p = &m->properties;
+        if (!(p->_flags & AMQP_BASIC_MESSAGE_ID_FLAG))
+            return;
+        for (size_t i = 0; i < cx->n; i++)
+            if (p->message_id.len == 36 &&
+                memcmp(cx->rows[i].event_id, p->message_id.bytes, 36) == 0 &&
+                cx->rows[i].state == R_SENT_WAIT)
+                cx->rows[i].state = R_RETURNED;
+        return;
+    }
+    enum rstate to = kind == IDEMP_CONFIRM_ACK ? R_ACKED : R_NACKED;
+    for (size_t i = 0; i < cx->n; i++) {
+        row_t *row = &cx->rows[i];
+        bool hit = multiple ? row->tag <= tag : row->tag == tag;
+        if (hit && row->state == R_SENT_WAIT)
+            row->state = to;
+    }
+}
+
+static int publish_row(idem_relay_t *r, row_t *row, idem_error_t *err)
+{
+    amqp_table_entry_t h[3] = {
+        {amqp_cstring_bytes("event_id"), {AMQP_FIELD_KIND_UTF8, {0}}},
+        {amqp_cstring_bytes("subscription_id"), {AMQP_FIELD_KIND_UTF8, {0}}},
+        {amqp_cstring_bytes("event_type"), {AMQP_FIELD_KIND_UTF8, {0}}},
+    };
+    h[0].value.value.bytes = amqp_cstring_bytes(row->event_id);
+    h[1].value.value.bytes = amqp_cstring_bytes(row->subscription_id);
+    h[2].value.value.bytes = amqp_cstring_bytes(row->event_type);
+    amqp_basic_properties_t props;
+    memset(&props, 0, sizeof props);
+    props._flags = AMQP_BASIC_CONTENT_TYPE_FLAG | AMQP_BASIC_DELIVERY_MODE_FLAG |
+                   AMQP_BASIC_MESSAGE_ID_FLAG | AMQP_BASIC_TYPE_FLAG |
+                   AMQP_BASIC_TIMESTAMP_FLAG | AMQP_BASIC_HEADERS_FLAG;
+    props.content_type = amqp_cstring_bytes("application/json");
+    props.delivery_mode = 2;
+    props.message_id = amqp_cstring_bytes(row->event_id);
+    props.type = amqp_cstring_bytes(row->event_type);
+    props.timestamp = (uint64_t)row->created_s;
+    props.headers = (amqp_table_t){3, h};
+    return idemp_amqp_publish(r->amqp, r->exchange, row->event_type, true, &props, row->payload,
+                              strlen(row->payload), &row->tag, err);
+}
+
+/* Marks the batch's outcome in the open transaction. */
+static int settle_rows(idem_relay_t *r, size_t n, uint64_t *sent, idem_error_t *err)
+{
+    char *ids = NULL, *fids = NULL, *ferrs = NULL;
+    size_t il = 0, ic = 0, fl = 0, fc = 0, el = 0, ec = 0;
+    size_t nsent = 0, nfail = 0;
+    bool ok = true;
+    for (size_t i = 0; i < n && ok; i++) {
+        row_t *row = &r->rows[i];
+        if (row->state == R_ACKED) {
+            ok = array_append(&ids, &il, &ic, row->outbox_id, nsent == 0);
+            nsent++;
+        } else if (row->state == R_NACKED || row->state == R_RETURNED) {
+            char why[300];
+            if (row->state == R_RETURNED)
+                snprintf(why, sizeof why,
+                         "unroutable: the broker returned it (no queue bound to exchange '%s' "
+                         "for routing key '%s')",
+                         r->exchange, row->event_type);
+            else
+                snprintf(why, sizeof why, "the broker nacked the publish");
+            ok = array_append(&fids, &fl, &fc, row->outbox_id, nfail == 0) &&
+                 array_append(&ferrs, &el, &ec, why, nfail == 0);
+            nfail++;
+        }
+    }
+    int rc = ok ? IDEM_OK : idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+    char *lit = NULL;
+    if (rc == IDEM_OK && nsent > 0) {
+        lit = malloc(il + 3);
+        if (lit == NULL)
+            rc = idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+        else {
+            snprintf(lit, il + 3, "{%s}", ids);
+            const char *p[] = {lit};
+            PGresult *res;
+            rc = idemp_pg_exec(r->pg, SQL_MARK_SENT, 1, p, &res, err);
+            if (rc == IDEM_OK) {
+                *sent = strtoull(PQcmdTuples(res), NULL, 10);
+                PQclear(res);
+            }
+        }
+    }
+    if (rc == IDEM_OK && nfail > 0) {
+        char *l1 = malloc(fl + 3), *l2 = malloc(el + 3);
+        char att[16], base[32], max[32];
+        snprintf(att, sizeof att, "%d", r->cfg.max_attempts);
+        snprintf(base, sizeof base, "%lld", (long long)r->cfg.backoff_base_ms);
+        snprintf(max, sizeof max, "%lld", (long long)r->cfg.backoff_max_ms);
+        if (l1 == NULL || l2 == NULL) {
+            rc = idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+        } else {
+            snprintf(l1, fl + 3, "{%s}", fids);
+            snprintf(l2, el + 3, "{%s}", ferrs);
+            const char *p[] = {l1, att, base, max, l2};
+            PGresult *res;
+            rc = idemp_pg_exec(r->pg, SQL_MARK_FAILED, 5, p, &res, err);
+            for (int i = 0; rc == IDEM_OK && i < PQntuples(res); i++) {
+                const char *status = PQgetvalue(res, i, 2);
+                bool parked = strcmp(status, "failed") == 0;
+                const char *kv[] = {"outbox_id", PQgetvalue(res, i, 0),
+                                    "event_id", PQgetvalue(res, i, 1),
+                                    "attempts", PQgetvalue(res, i, 3), NULL};
+                const char *why = "";
+                for (size_t j = 0; j < n; j++)
+                    if (strcmp(r->rows[j].outbox_id, PQgetvalue(res, i, 0)) == 0)
+                        why = r->rows[j].state == R_RETURNED ? "returned as unroutable"
+                                                             : "nacked by the broker";
+                if (parked) {
+                    r->stats.parked++;
+                    idemp_metrics_add(r->metrics, IDEMP_M_RELAY_PARKED, 1);
+                    idem_log(IDEM_LOG_ERROR, LOGC, kv,
+                             "event parked as failed after max attempts: %s", why);
+                } else {
+                    idem_log(IDEM_LOG_WARN, LOGC, kv, "publish failed, will retry: %s", why);
+                }
+            }
+            if (rc == IDEM_OK)
+                PQclear(res);
+        }
+        free(l1);
+        free(l2);
+        r->stats.failures += nfail;
+        idemp_metrics_add(r->metrics, IDEMP_M_RELAY_PUBLISH_FAILURES, nfail);
+    }
+    free(lit);
+    free(ids);
+    free(fids);
+    free(ferrs);
+    return rc;
+}
+
+/* Claims, publishes and settles one batch. *claimed receives the number of rows claimed. */
+static int run_batch(idem_relay_t *r, size_t *claimed, idem_error_t *err)
+{
+    int64_t t0 = idemp_now_ms();
+    char limit[16];
+    snprintf(limit, sizeof limit, "%d", r->cfg.batch);
+    PGresult *subs = NULL, *res = NULL;
+    *claimed = 0;
+
+    int rc = idemp_pg_command(r->pg, "BEGIN", err);
+    if (rc == IDEM_OK) {
+        const char *p[] = {limit};
+        rc = idemp_pg_exec(r->pg, SQL_LOCK_SUBSCRIPTIONS, 1, p, &subs, err);
+    }
+    if (rc == IDEM_OK && PQntuples(subs) == 0) {
+        PQclear(subs);
+        return idemp_pg_command(r->pg, "COMMIT", err);
+    }
+    if (rc == IDEM_OK) {
+        char *lit = NULL;
+        size_t len = 0, cap = 0;
+        bool ok = true;
+        for (int i = 0; i < PQntuples(subs) && ok; i++)
+            ok = array_append(&lit, &len, &cap, PQgetvalue(subs, i, 0), i == 0);
+        char *arr = ok ? malloc(len + 3) : NULL;
+        if (arr == NULL) {
+            rc = idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+        } else {
+            snprintf(arr, len + 3, "{%s}", lit);
+            const char *p[] = {arr, limit};
+            rc = idemp_pg_exec(r->pg, SQL_CLAIM_ROWS, 2, p, &res, err);
+        }
+        free(arr);
+        free(lit);
+    }
+    PQclear(subs);
+    int64_t t_claim = idemp_now_ms();
+
+    size_t n = rc == IDEM_OK ? (size_t)PQntuples(res) : 0;
+    if (n > r->caprows)
+        n = r->caprows;
+    for (size_t i = 0; i < n; i++) {
+        row_t *row = &r->rows[i];
+        snprintf(row->outbox_id, sizeof row->outbox_id, "%s", PQgetvalue(res, (int)i, 0));
+        snprintf(row->event_id, sizeof row->event_id, "%s", PQgetvalue(res, (int)i, 1));
+        snprintf(row->subscription_id, sizeof row->subscription_id, "%s",
+                 PQgetvalue(res, (int)i, 2));
+        row->event_type = PQgetvalue(res, (int)i, 3);
+        row->payload = PQgetvalue(res, (int)i, 4);
+        row->created_s = strtoll(PQgetvalue(res, (int)i, 6), NULL, 10);
+        row->state = R_SENT_WAIT;
+    }
+    *claimed = n;
+
+    /* publish the whole batch, then wait for its confirms once */
+    uint64_t last_tag = 0;
+    for (size_t i = 0; rc == IDEM_OK && i < n; i++) {
+        rc = publish_row(r, &r->rows[i], err);
+        last_tag = r->rows[i].tag;
+    }
+    struct confirm_ctx cx = {r->rows, n, n ? r->rows[0].tag : 0};
+    if (rc == IDEM_OK && n > 0)
+        rc = idemp_amqp_wait_confirms(r->amqp, last_tag, r->cfg.confirm_timeout_ms, on_confirm,
+                                      &cx, err);
+    int64_t t_pub = idemp_now_ms();
+
+    uint64_t sent = 0;
+    if (rc == IDEM_OK) {
+        size_t acked = 0;
+        for (size_t i = 0; i < n; i++)
+            acked += r->rows[i].state == R_ACKED;
+        if (acked > 0)
+            idemp_fault_point("relay.after_publish");
+        rc = settle_rows(r, n, &sent, err);
+    }
+    if (rc == IDEM_OK)
+        rc = idemp_pg_command(r->pg, "COMMIT", err);
+    PQclear(res); /* rows[] borrowed strings from res: done with them now */
+
+    if (rc != IDEM_OK) {
+        /* nothing is spent: the rows stay pending and come again (the consumer dedups) */
+        if (idemp_pg_connected(r->pg)) {
+            idem_error_t rb = {0};
+            idemp_pg_command(r->pg, "ROLLBACK", &rb);
+        }
+        *claimed = 0;
+        return rc;
+    }
+    r->stats.published += sent;
+    r->stats.batches++;
+    idemp_metrics_add(r->metrics, IDEMP_M_RELAY_PUBLISHED, sent);
+    idemp_metrics_batch_duration(r->metrics, (double)(idemp_now_ms() - t0) / 1000.0);
+    if (n > 0) {
+        char a[24], b[24], c1[24], d[24];
+        snprintf(a, sizeof a, "%zu", n);
+        snprintf(b, sizeof b, "%llu", (unsigned long long)sent);
+        snprintf(c1, sizeof c1, "%lld", (long long)(t_claim - t0));
+        snprintf(d, sizeof d, "%lld", (long long)(t_pub - t_claim));
+        const char *kv[] = {"claimed", a, "sent", b, "claim_ms", c1, "publish_ms", d, NULL};
+        idem_log(IDEM_LOG_DEBUG, LOGC, kv, "batch committed");
+    }
+    return IDEM_OK;
+}
+
+/* ---- the loop ---------------------------------------------------------------------------- */
+
+static void update_gauge(idem_relay_t *r)
+{
+    if (r->metrics == NULL || idemp_now_ms() < r->gauge_next_ms)
+        return;
+    r->gauge_next_ms = idemp_now_ms() + GAUGE_EVERY_MS;
+    PGresult *res;
+    idem_error_t e = {0};
+    if (idemp_pg_exec(r->pg, SQL_OLDEST_PENDING, 0, NULL, &res, &e) != IDEM_OK)
+        return;
+    idemp_metrics_oldest_pending(r->metrics,
+                                 PQntuples(res) ? strtod(PQgetvalue(res, 0, 0), NULL) : 0.0);
+    PQclear(res);
+}
+
+/* Drains queued notifications; true if any arrived. */
+static bool drain_notifies(idem_relay_t *r)
+{
+    PGconn *conn = idemp_pg_conn(r->pg);
+    bool any = false;
+    if (conn == NULL)
+        return false;
+    PQconsumeInput(conn);
+    PGnotify *nt;
+    while ((nt = PQnotifies(conn)) != NULL) {
+        any = true;
+        PQfreemem(nt);
+    }
+    return any;
+}
+
+/* Sleeps until a NOTIFY arrives or the poll interval passes (or a stop). */
+static void wait_for_work(idem_relay_t *r)
+{
+    int64_t end = idemp_now_ms() + r->cfg.poll_interval_ms;
+    while (!stopping(r)) {
+        int64_t left = end - idemp_now_ms();
+        if (left <= 0)
+            return;
+        PGconn *conn = idemp_pg_conn(r->pg);
+        if (conn == NULL)
+            return;
+        struct pollfd pfd = {PQsocket(conn), POLLIN, 0};
+        int n = poll(&pfd, 1, (int)(left > 100 ? 100 : left));
+        if (n > 0) {
+            if (!PQconsumeInput(conn)) {
+                idemp_pg_disconnect(r->pg);
+                return;
+            }
+            if (drain_notifies(r))
+                return;
+        }
+    }
+}
+
+int idem_relay_run(idem_relay_t *r, idem_error_t *err)
+{
+    if (r->cfg.stop == NULL)
+        r->cfg.stop = &r->no_stop;
+    if (r->cfg.metrics_port > 0) {
+        r->metrics = idemp_metrics_new(IDEMP_ROLE_RELAY);
+        if (r->metrics == NULL)
+            return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+        int rc = idemp_metrics_serve(r->metrics, r->cfg.metrics_port, err);
+        if (rc != IDEM_OK)
+            return rc;
+    }
+    idem_log(IDEM_LOG_INFO, LOGC, NULL, "starting%s", r->cfg.once ? " (once)" : "");
+    int result = IDEM_OK;
+    while (!stopping(r)) {
+        int rc = ensure_connected(r, err);
+        if (rc != IDEM_OK) {
+            result = rc;
+            break;
+        }
+        if (!idemp_pg_connected(r->pg) || !idemp_amqp_connected(r->amqp)) {
+            idemp_sleep_ms(50, r->cfg.stop);
+            continue;
+        }
+        update_gauge(r);
+        drain_notifies(r);
+        size_t claimed = 0;
+        idem_error_t e = {0};
+        rc = run_batch(r, &claimed, &e);
+        if (rc != IDEM_OK) {
+            bool pg_side = rc == IDEM_ERR_PG_LOST || rc == IDEM_ERR_PG_QUERY;
+            const char *kv[] = {"server", pg_side ? "postgres" : "rabbitmq", NULL};
+            idem_log(IDEM_LOG_WARN, LOGC, kv, "batch abandoned, nothing spent: %s", e.text);
+            if (r->cfg.once) {
+                idem_error_set(err, rc, "%s", e.text);
+                result = rc;
+                break;
+            }
+            if (pg_side && !idemp_pg_connected(r->pg)) {
+                idemp_pg_disconnect(r->pg);
+                schedule(&r->pg_backoff, &r->pg_next_ms, "postgres", "reconnecting");
+            } else if (pg_side) {
+                idemp_sleep_ms(RECONNECT_BASE_MS, r->cfg.stop);
+            } else {
+                idemp_amqp_disconnect(r->amqp);
+                schedule(&r->amqp_backoff, &r->amqp_next_ms, "rabbitmq", "reconnecting");
+            }
+            continue;
+        }
+        if (claimed >= (size_t)r->cfg.batch)
+            continue; /* more is probably due */
+        if (r->cfg.once)
+            break;
+        wait_for_work(r);
+    }
+    {
+        char a[24], b[24], c1[24];
+        snprintf(a, sizeof a, "%llu", (unsigned long long)r->stats.published);
+        snprintf(b, sizeof b, "%llu", (unsigned long long)r->stats.failures);
+        snprintf(c1, sizeof c1, "%llu", (unsigned long long)r->stats.parked);
+        const char *kv[] = {"published", a, "failures", b, "parked", c1, NULL};
+        idem_log(IDEM_LOG_INFO, LOGC, kv, "stopped");
+    }
+    idemp_amqp_disconnect(r->amqp);
+    idemp_pg_disconnect(r->pg);
+    return result;
+}

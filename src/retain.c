@@ -1,0 +1,164 @@
+/* retain.c - deletes sent outbox rows and ledger rows past their windows, in bounded batches.
+ *
+ * Each DELETE is its own autocommit transaction touching at most `batch` rows, so locks are
+ * held for one short statement and concurrent consumers/relays barely notice. Rows another
+ * transaction holds are skipped (SKIP LOCKED), never waited for. Pending and failed outbox
+ * rows are never candidates. A session advisory lock keeps runs from overlapping. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <idem/ops.h>
+
+#include "pg.h"
+
+#define DAY_MS (24LL * 3600 * 1000)
+
+/* (class, key) of the single-runner lock; migrate uses (7650, 1), emit (7648, ...). */
+#define RETAIN_TRY_LOCK "SELECT pg_try_advisory_lock(7651, 1)"
+#define RETAIN_UNLOCK "SELECT pg_advisory_unlock(7651, 1)"
+
+/* Both cutoffs are fixed once per run: rows that age past the window while the run goes on
+ * wait for the next run, and the loops are bounded by what existed at the start. */
+#define RETAIN_CUTOFFS                                                                           \
+    "SELECT (now() - $1::bigint * interval '1 millisecond')::text, "                             \
+    "(now() - $2::bigint * interval '1 millisecond')::text"
+
+#define RETAIN_OUTBOX                                                                            \
+    "DELETE FROM event_outbox WHERE status = 'sent' AND outbox_id IN ("                          \
+    "SELECT outbox_id FROM event_outbox WHERE status = 'sent' AND sent_at < $1::timestamptz "    \
+    "ORDER BY sent_at LIMIT $2::int FOR UPDATE SKIP LOCKED)"
+
+/* ctid: a TID scan over exactly the rows the subquery locked, no second index lookup. */
+#define RETAIN_LEDGER                                                                            \
+    "DELETE FROM consumed_events WHERE ctid = ANY(ARRAY("                                        \
+    "SELECT ctid FROM consumed_events WHERE consumed_at < $1::timestamptz "                      \
+    "ORDER BY consumed_at LIMIT $2::int FOR UPDATE SKIP LOCKED))"
+
+void idem_retain_config_init(idem_retain_config_t *cfg)
+{
+    cfg->outbox_keep_ms = 7 * DAY_MS;
+    cfg->dedup_window_ms = 30 * DAY_MS;
+    cfg->batch = 5000;
+    cfg->force = false;
+    cfg->stop = NULL;
+}
+
+/* "30d", "36h", "90m", "45s" or "1500ms": the largest unit that divides ms. */
+static void fmt_duration(int64_t ms, char *out, size_t sz)
+{
+    static const struct {
+        int64_t ms;
+        const char *unit;
+    } units[] = {{DAY_MS, "d"}, {3600 * 1000LL, "h"}, {60 * 1000LL, "m"}, {1000, "s"}};
+    for (size_t i = 0; i < sizeof units / sizeof units[0]; i++)
+        if (ms != 0 && ms % units[i].ms == 0) {
+            snprintf(out, sz, "%" PRId64 "%s", ms / units[i].ms, units[i].unit);
+            return;
+        }
+    snprintf(out, sz, "%" PRId64 "ms", ms);
+}
+
+int idem_retain_check(const idem_retain_config_t *cfg, idem_error_t *err)
+{
+    if (cfg == NULL)
+        return idem_error_set(err, IDEM_ERR_INVALID, "retention: no configuration");
+    if (cfg->outbox_keep_ms < 0 || cfg->dedup_window_ms < 0)
+        return idem_error_set(err, IDEM_ERR_INVALID, "retention windows must not be negative");
+    if (cfg->batch < 1)
+        return idem_error_set(err, IDEM_ERR_INVALID, "retention batch must be at least 1");
+    if (cfg->force)
+        return IDEM_OK;
+    char dedup[32], keep[32];
+    fmt_duration(cfg->dedup_window_ms, dedup, sizeof dedup);
+    fmt_duration(cfg->outbox_keep_ms, keep, sizeof keep);
+    /* A ledger row deleted while its event can still be redelivered (or replayed from the
+     * outbox) would let that event apply twice. */
+    if (cfg->dedup_window_ms < cfg->outbox_keep_ms)
+        return idem_error_set(err, IDEM_ERR_REFUSED,
+                              "dedup window %s is shorter than the outbox window %s; "
+                              "use --force to run anyway",
+                              dedup, keep);
+    if (cfg->dedup_window_ms < DAY_MS)
+        return idem_error_set(err, IDEM_ERR_REFUSED,
+                              "dedup window %s is shorter than 1d; use --force to run anyway",
+                              dedup);
+    return IDEM_OK;
+}
+
+/* Runs one DELETE statement repeatedly until it removes fewer than batch rows. */
+static int delete_loop(PGconn *conn, const char *sql, const char *cutoff, int batch,
+                       volatile int *stop, int64_t *deleted, int64_t *batches, idem_error_t *err)
+{
+    char limit[16];
+    snprintf(limit, sizeof limit, "%d", batch);
+    const char *params[] = {cutoff, limit};
+    for (;;) {
+        if (stop != NULL && *stop)
+            return IDEM_ERR_INTERRUPTED;
+        PGresult *res;
+        int rc = idemp_pgconn_exec(conn, sql, 2, params, &res, err);
+        if (rc != IDEM_OK)
+            return rc;
+        long n = strtol(PQcmdTuples(res), NULL, 10);
+        PQclear(res);
+        if (n > 0) {
+            *deleted += n;
+            (*batches)++;
+        }
+        if (n < batch)
+            return IDEM_OK;
+    }
+}
+
+int idem_retain_run(PGconn *conn, const idem_retain_config_t *cfg, idem_retain_result_t *res,
+                    idem_error_t *err)
+{
+    idem_retain_result_t local;
+    if (res == NULL)
+        res = &local;
+    *res = (idem_retain_result_t){0};
+    int rc = idem_retain_check(cfg, err);
+    if (rc != IDEM_OK)
+        return rc;
+
+    PGresult *r;
+    rc = idemp_pgconn_exec(conn, RETAIN_TRY_LOCK, 0, NULL, &r, err);
+    if (rc != IDEM_OK)
+        return rc;
+    bool locked = PQntuples(r) == 1 && PQgetvalue(r, 0, 0)[0] == 't';
+    PQclear(r);
+    if (!locked) {
+        res->skipped = true;
+        return IDEM_OK;
+    }
+
+    char keep[24], window[24];
+    snprintf(keep, sizeof keep, "%" PRId64, cfg->outbox_keep_ms);
+    snprintf(window, sizeof window, "%" PRId64, cfg->dedup_window_ms);
+    const char *cparams[] = {keep, window};
+    rc = idemp_pgconn_exec(conn, RETAIN_CUTOFFS, 2, cparams, &r, err);
+    if (rc == IDEM_OK) {
+        char *outbox_cutoff = strdup(PQgetvalue(r, 0, 0));
+        char *ledger_cutoff = strdup(PQgetvalue(r, 0, 1));
+        PQclear(r);
+        if (outbox_cutoff == NULL || ledger_cutoff == NULL)
+            rc = idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+        if (rc == IDEM_OK)
+            rc = delete_loop(conn, RETAIN_OUTBOX, outbox_cutoff, cfg->batch, cfg->stop,
+                             &res->outbox_deleted, &res->outbox_batches, err);
+        if (rc == IDEM_OK)
+            rc = delete_loop(conn, RETAIN_LEDGER, ledger_cutoff, cfg->batch, cfg->stop,
+                             &res->ledger_deleted, &res->ledger_batches, err);
+        free(outbox_cutoff);
+        free(ledger_cutoff);
+    }
+    if (rc == IDEM_ERR_INTERRUPTED)
+        idem_error_set(err, rc, "retention stopped between batches by a signal");
+    /* A lost connection has released the session lock already; otherwise release it now so a
+     * caller reusing the connection does not keep other runs out. */
+    if (PQstatus(conn) == CONNECTION_OK)
+        idemp_pgconn_exec(conn, RETAIN_UNLOCK, 0, NULL, NULL, NULL);
+    return rc;
+}
