@@ -29,7 +29,7 @@
 #define RETRY_BASE_MS 1000
 #define RETRY_MAX_MS 30000
 #define RECONNECT_BASE_MS 250
-#define RECONNECT_MAX_MS 30000
+#define RECONNECT_MAX_MS 5000
 #define CONFIRM_TIMEOUT_MS 30000
 
 /* Claims a set of event ids for a consumer; returns the ids actually claimed (new). */

@@ -47,7 +47,7 @@ int idem_error_set(idem_error_t *err, int code, const char *fmt, ...)
     va_end(ap);
     /* one line: server messages end with '\n' and may span lines */
     for (char *p = buf; *p; p++)
-        if (*p == '\n' || *p == '\r')
+        if (*p == '\n' || *p == '\r' || *p == '\t')
             *p = (p[1] == '\0') ? '\0' : ' ';
     idemp_mask_secrets(buf, err->text, sizeof err->text);
     err->code = code;

@@ -51,7 +51,7 @@ idem_outcome idem_event_fail(idem_event_t *ev, idem_outcome outcome, const char 
         vsnprintf(raw, sizeof raw, fmt, ap);
         va_end(ap);
         for (char *p = raw; *p; p++)
-            if (*p == '\n' || *p == '\r')
+            if (*p == '\n' || *p == '\r' || *p == '\t')
                 *p = ' ';
         idemp_mask_secrets(raw, ev->detail, sizeof ev->detail);
         ev->failed = true;

@@ -69,7 +69,7 @@ void idem_log(idem_log_level level, const char *component, const char *const *kv
     vsnprintf(raw, sizeof raw, fmt, ap);
     va_end(ap);
     for (char *p = raw; *p; p++)
-        if (*p == '\n' || *p == '\r')
+        if (*p == '\n' || *p == '\r' || *p == '\t')
             *p = ' ';
     idemp_mask_secrets(raw, msg, sizeof msg);
     timestamp(ts, sizeof ts);

@@ -27,26 +27,27 @@
 #define RECONNECT_MAX_MS 5000
 #define GAUGE_EVERY_MS 1000
 
-/* Step 1: take the subscriptions of the oldest due rows that no other relay holds. */
-#define SQL_LOCK_SUBSCRIPTIONS                                                                     \
-    "SELECT DISTINCT s.subscription_id FROM ("                                                   \
-    "  SELECT o.subscription_id FROM event_outbox o"                                             \
-    "   WHERE o.status = 'pending' AND o.next_attempt_at <= now()"                               \
-    "     AND pg_try_advisory_xact_lock(7649, hashtext(o.subscription_id::text))"                \
-    "   ORDER BY o.seq LIMIT $1) s"
+/* Step 1: the oldest due rows whose subscription no other relay holds; taking the
+ * subscription's transaction-level advisory lock is what makes a row a candidate. */
+#define SQL_LOCK_CANDIDATES                                                                        \
+    "SELECT o.outbox_id FROM event_outbox o"                                                     \
+    " WHERE o.status = 'pending' AND o.next_attempt_at <= now()"                                 \
+    "   AND pg_try_advisory_xact_lock(7649, hashtext(o.subscription_id::text))"                  \
+    " ORDER BY o.seq LIMIT $1"
 
-/* Step 2: their due rows in emit order, stopping each subscription at its first row that waits
- * for a retry (later rows wait behind it). */
+/* Step 2, with a snapshot taken after the locks are held: the candidates still pending and
+ * due, minus any row behind an earlier row of its subscription that waits for a retry. Only
+ * rows that failed before can wait (attempts > 0): the small event_outbox_retrying index. */
 #define SQL_CLAIM_ROWS                                                                             \
     "SELECT o.outbox_id, o.event_id, o.subscription_id, o.event_type, o.payload::text,"          \
     "       o.attempts, extract(epoch FROM o.created_at)::bigint"                                 \
     "  FROM event_outbox o"                                                                      \
-    " WHERE o.status = 'pending' AND o.subscription_id = ANY($1::uuid[])"                        \
+    " WHERE o.outbox_id = ANY($1::uuid[]) AND o.status = 'pending'"                              \
     "   AND o.next_attempt_at <= now()"                                                          \
     "   AND NOT EXISTS (SELECT 1 FROM event_outbox e"                                            \
     "                    WHERE e.subscription_id = o.subscription_id AND e.status = 'pending'"   \
-    "                      AND e.seq < o.seq AND e.next_attempt_at > now())"                     \
-    " ORDER BY o.seq LIMIT $2"                                                                   \
+    "                      AND e.attempts > 0 AND e.next_attempt_at > now() AND e.seq < o.seq)"  \
+    " ORDER BY o.seq"                                                                            \
     "   FOR UPDATE OF o SKIP LOCKED"
 
 #define SQL_MARK_SENT                                                                              \
@@ -194,7 +195,8 @@ static int ensure_connected(idem_relay_t *r, idem_error_t *err)
             idemp_backoff_reset(&r->pg_backoff);
             r->pg_was_up = true;
             const char *kv[] = {"server", idemp_pg_where_str(r->pg), NULL};
-            idem_log(IDEM_LOG_INFO, LOGC, kv, "connected to PostgreSQL");
+            idem_log(r->cfg.once ? IDEM_LOG_DEBUG : IDEM_LOG_INFO, LOGC, kv,
+                     "connected to PostgreSQL");
         } else {
             idemp_pg_disconnect(r->pg);
             if (r->cfg.once)
@@ -214,7 +216,8 @@ static int ensure_connected(idem_relay_t *r, idem_error_t *err)
             r->amqp_was_up = true;
             const char *kv[] = {"server", idemp_amqp_where(r->amqp), "exchange", r->exchange,
                                 NULL};
-            idem_log(IDEM_LOG_INFO, LOGC, kv, "connected to RabbitMQ, publishing with confirms");
+            idem_log(r->cfg.once ? IDEM_LOG_DEBUG : IDEM_LOG_INFO, LOGC, kv,
+                     "connected to RabbitMQ, publishing with confirms");
         } else {
             idemp_amqp_disconnect(r->amqp);
             if (r->cfg.once)
@@ -410,36 +413,36 @@ static int run_batch(idem_relay_t *r, size_t *claimed, idem_error_t *err)
     int64_t t0 = idemp_now_ms();
     char limit[16];
     snprintf(limit, sizeof limit, "%d", r->cfg.batch);
-    PGresult *subs = NULL, *res = NULL;
+    PGresult *cands = NULL, *res = NULL;
     *claimed = 0;
 
     int rc = idemp_pg_command(r->pg, "BEGIN", err);
     if (rc == IDEM_OK) {
         const char *p[] = {limit};
-        rc = idemp_pg_exec(r->pg, SQL_LOCK_SUBSCRIPTIONS, 1, p, &subs, err);
+        rc = idemp_pg_exec(r->pg, SQL_LOCK_CANDIDATES, 1, p, &cands, err);
     }
-    if (rc == IDEM_OK && PQntuples(subs) == 0) {
-        PQclear(subs);
+    if (rc == IDEM_OK && PQntuples(cands) == 0) {
+        PQclear(cands);
         return idemp_pg_command(r->pg, "COMMIT", err);
     }
     if (rc == IDEM_OK) {
         char *lit = NULL;
         size_t len = 0, cap = 0;
         bool ok = true;
-        for (int i = 0; i < PQntuples(subs) && ok; i++)
-            ok = array_append(&lit, &len, &cap, PQgetvalue(subs, i, 0), i == 0);
+        for (int i = 0; i < PQntuples(cands) && ok; i++)
+            ok = array_append(&lit, &len, &cap, PQgetvalue(cands, i, 0), i == 0);
         char *arr = ok ? malloc(len + 3) : NULL;
         if (arr == NULL) {
             rc = idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
         } else {
             snprintf(arr, len + 3, "{%s}", lit);
-            const char *p[] = {arr, limit};
-            rc = idemp_pg_exec(r->pg, SQL_CLAIM_ROWS, 2, p, &res, err);
+            const char *p[] = {arr};
+            rc = idemp_pg_exec(r->pg, SQL_CLAIM_ROWS, 1, p, &res, err);
         }
         free(arr);
         free(lit);
     }
-    PQclear(subs);
+    PQclear(cands);
     int64_t t_claim = idemp_now_ms();
 
     size_t n = rc == IDEM_OK ? (size_t)PQntuples(res) : 0;
@@ -576,7 +579,9 @@ int idem_relay_run(idem_relay_t *r, idem_error_t *err)
         if (rc != IDEM_OK)
             return rc;
     }
-    idem_log(IDEM_LOG_INFO, LOGC, NULL, "starting%s", r->cfg.once ? " (once)" : "");
+    /* a one-shot run reports through its exit status and summary, not lifecycle lines */
+    idem_log_level life = r->cfg.once ? IDEM_LOG_DEBUG : IDEM_LOG_INFO;
+    idem_log(life, LOGC, NULL, "starting%s", r->cfg.once ? " (once)" : "");
     int result = IDEM_OK;
     while (!stopping(r)) {
         int rc = ensure_connected(r, err);
@@ -596,12 +601,12 @@ int idem_relay_run(idem_relay_t *r, idem_error_t *err)
         if (rc != IDEM_OK) {
             bool pg_side = rc == IDEM_ERR_PG_LOST || rc == IDEM_ERR_PG_QUERY;
             const char *kv[] = {"server", pg_side ? "postgres" : "rabbitmq", NULL};
-            idem_log(IDEM_LOG_WARN, LOGC, kv, "batch abandoned, nothing spent: %s", e.text);
             if (r->cfg.once) {
                 idem_error_set(err, rc, "%s", e.text);
                 result = rc;
                 break;
             }
+            idem_log(IDEM_LOG_WARN, LOGC, kv, "batch abandoned, nothing spent: %s", e.text);
             if (pg_side && !idemp_pg_connected(r->pg)) {
                 idemp_pg_disconnect(r->pg);
                 schedule(&r->pg_backoff, &r->pg_next_ms, "postgres", "reconnecting");
@@ -625,7 +630,7 @@ int idem_relay_run(idem_relay_t *r, idem_error_t *err)
         snprintf(b, sizeof b, "%llu", (unsigned long long)r->stats.failures);
         snprintf(c1, sizeof c1, "%llu", (unsigned long long)r->stats.parked);
         const char *kv[] = {"published", a, "failures", b, "parked", c1, NULL};
-        idem_log(IDEM_LOG_INFO, LOGC, kv, "stopped");
+        idem_log(life, LOGC, kv, "stopped");
     }
     idemp_amqp_disconnect(r->amqp);
     idemp_pg_disconnect(r->pg);

@@ -1,5 +1,9 @@
 /* rmq.c - the RabbitMQ adapter over librabbitmq 0.11. */
 #include <ctype.h>
+#include <errno.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -228,6 +232,34 @@ static int check_rpc(idemp_amqp_t *a, amqp_rpc_reply_t r, const char *what, idem
     return idem_error_set(err, lost ? IDEM_ERR_AMQP_LOST : IDEM_ERR_AMQP, "%s: %s", what, text);
 }
 
+/* librabbitmq's non-blocking connect reports only "a socket error occurred"; after a failure a
+ * plain connect tells the operator why (refused, unreachable, unknown host). */
+static void tcp_reason(const char *host, int port, int amqp_rc, char *out, size_t sz)
+{
+    snprintf(out, sz, "%s", amqp_error_string2(amqp_rc));
+    if (amqp_rc != AMQP_STATUS_SOCKET_ERROR && amqp_rc != AMQP_STATUS_HOSTNAME_RESOLUTION_FAILED)
+        return;
+    struct addrinfo hints, *ai = NULL;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_socktype = SOCK_STREAM;
+    char portstr[16];
+    snprintf(portstr, sizeof portstr, "%d", port);
+    int g = getaddrinfo(host, portstr, &hints, &ai);
+    if (g != 0) {
+        snprintf(out, sz, "cannot resolve host: %s", gai_strerror(g));
+        return;
+    }
+    int fd = socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol);
+    if (fd >= 0) {
+        struct timeval tv = {2, 0};
+        setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+        if (connect(fd, ai->ai_addr, ai->ai_addrlen) != 0)
+            snprintf(out, sz, "%s", strerror(errno));
+        close(fd);
+    }
+    freeaddrinfo(ai);
+}
+
 int idemp_amqp_connect(idemp_amqp_t *a, bool confirms, idem_error_t *err)
 {
     idemp_amqp_disconnect(a);
@@ -244,9 +276,11 @@ int idemp_amqp_connect(idemp_amqp_t *a, bool confirms, idem_error_t *err)
     amqp_set_rpc_timeout(a->conn, &tv);
     int rc = amqp_socket_open_noblock(sock, a->url.host, a->url.port, &tv);
     if (rc != AMQP_STATUS_OK) {
+        char why[200];
+        tcp_reason(a->url.host, a->url.port, rc, why, sizeof why);
         idemp_amqp_disconnect(a);
         return idem_error_set(err, IDEM_ERR_AMQP_CONNECT, "cannot connect to RabbitMQ at %s: %s",
-                              a->where, amqp_error_string2(rc));
+                              a->where, why);
     }
     amqp_rpc_reply_t r = amqp_login(a->conn, a->url.vhost, 0, 131072, 0, AMQP_SASL_METHOD_PLAIN,
                                     a->url.user, a->url.password);
