@@ -103,7 +103,7 @@ $(BUILD)/tests/unit/%: tests/unit/%.c $(HANDLER_OBJS) $(CLI_OBJS) $(BUILD)/libid
 		$(LDSAN) $(LDLIBS_ALL) -lcmocka
 
 unit: $(UNIT_BINS)
-	@set -e; for t in $(UNIT_BINS); do $$t; done
+	@failed=0; for t in $(UNIT_BINS); do $$t || failed=1; done; exit $$failed
 
 deps:
 	scripts/deps.sh

@@ -7,7 +7,7 @@ int64_t idemp_backoff_delay(int64_t base_ms, int64_t max_ms, int n)
         return 0;
     int64_t d = base_ms;
     for (int i = 1; i < n && d < max_ms; i++)
-        d *= 2;
+        d = d > max_ms / 2 ? max_ms : d * 2;
     return d < max_ms ? d : max_ms;
 }
 

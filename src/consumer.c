@@ -537,7 +537,11 @@ static tx_result apply(idem_consumer_t *c, delivery_t **ds, size_t n, bool singl
         return TX_FALLBACK;
     bool *claimed = calloc(n, sizeof *claimed);
     PGresult *res = NULL;
-    int rc = idemp_pg_command(c->pg, "BEGIN", &err);
+    /* a batch is pipelined: BEGIN and the claim travel together, handler statements queue,
+     * COMMIT and a sync read everything back; any error sends the batch to one-by-one */
+    int rc = single ? IDEM_OK : idemp_pg_pipeline_begin(c->pg, &err);
+    if (rc == IDEM_OK)
+        rc = idemp_pg_command(c->pg, "BEGIN", &err);
     if (rc == IDEM_OK) {
         const char *params[] = {c->consumer, ids};
         rc = idemp_pg_exec(c->pg, SQL_CLAIM, 2, params, &res, &err);
@@ -584,10 +588,17 @@ static tx_result apply(idem_consumer_t *c, delivery_t **ds, size_t n, bool singl
         idemp_fault_point("consumer.before_commit");
         rc = idemp_pg_command(c->pg, "COMMIT", &err);
         if (rc == IDEM_OK)
+            rc = idemp_pg_pipeline_end(c->pg, &err); /* the COMMIT's outcome is known here */
+        if (rc == IDEM_OK)
             idemp_fault_point("consumer.after_commit");
-    } else if (idemp_pg_connected(c->pg)) {
+    }
+    if (rc != IDEM_OK || failed != NULL) {
         idem_error_t rb = {0};
-        idemp_pg_command(c->pg, "ROLLBACK", &rb);
+        idemp_pg_pipeline_end(c->pg, rc == IDEM_OK ? &err : &rb);
+        if (rc == IDEM_OK && err.code != 0)
+            rc = err.code;
+        if (idemp_pg_connected(c->pg))
+            idemp_pg_command(c->pg, "ROLLBACK", &rb);
     }
 
     tx_result result = settle(c, ds, n, single, claimed, rc, &err, failed, outcome, applied,

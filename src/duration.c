@@ -12,7 +12,7 @@ int idem_duration_parse(const char *s, bool allow_ms, int64_t *out_ms)
         return IDEM_ERR_INVALID;
     int64_t n = 0;
     while (isdigit((unsigned char)*s)) {
-        if (n > (INT64_MAX - 9) / 10)
+        if (n > (INT64_MAX - (*s - '0')) / 10)
             return IDEM_ERR_INVALID;
         n = n * 10 + (*s++ - '0');
     }

@@ -1,6 +1,7 @@
 /* error.c - status strings and the error object. */
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <idem/error.h>
@@ -40,16 +41,13 @@ int idem_error_set(idem_error_t *err, int code, const char *fmt, ...)
 {
     if (err == NULL || err->code != 0)
         return code;
-    char buf[sizeof err->text];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(buf, sizeof buf, fmt, ap);
+    char *raw = idemp_vformat(fmt, ap);
     va_end(ap);
-    /* one line: server messages end with '\n' and may span lines */
-    for (char *p = buf; *p; p++)
-        if (*p == '\n' || *p == '\r' || *p == '\t')
-            *p = (p[1] == '\0') ? '\0' : ' ';
-    idemp_mask_secrets(buf, err->text, sizeof err->text);
+    /* mask the whole text before it is cut to size, so a cut cannot expose a password */
+    idemp_mask_line(raw ? raw : "out of memory", err->text, sizeof err->text);
+    free(raw);
     err->code = code;
     return code;
 }

@@ -1,6 +1,7 @@
 /* event.c - what a handler sees: accessors, failure reasons, statements in the transaction. */
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "event.h"
@@ -39,21 +40,20 @@ json_t *idem_event_payload(const idem_event_t *ev)
 
 PGconn *idem_event_conn(idem_event_t *ev)
 {
+    /* a caller with the bare connection runs its own statements: nothing may stay queued */
+    idemp_pg_pipeline_pause(ev->pg);
     return idemp_pg_conn(ev->pg);
 }
 
 idem_outcome idem_event_fail(idem_event_t *ev, idem_outcome outcome, const char *fmt, ...)
 {
     if (!ev->failed) {
-        char raw[sizeof ev->detail];
         va_list ap;
         va_start(ap, fmt);
-        vsnprintf(raw, sizeof raw, fmt, ap);
+        char *raw = idemp_vformat(fmt, ap);
         va_end(ap);
-        for (char *p = raw; *p; p++)
-            if (*p == '\n' || *p == '\r' || *p == '\t')
-                *p = ' ';
-        idemp_mask_secrets(raw, ev->detail, sizeof ev->detail);
+        idemp_mask_line(raw ? raw : "out of memory", ev->detail, sizeof ev->detail);
+        free(raw);
         ev->failed = true;
     }
     return outcome;

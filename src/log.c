@@ -63,15 +63,13 @@ void idem_log(idem_log_level level, const char *component, const char *const *kv
 {
     if (level < min_level)
         return;
-    char raw[2048], msg[2048], ts[40];
+    char msg[2048], ts[40];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(raw, sizeof raw, fmt, ap);
+    char *raw = idemp_vformat(fmt, ap);
     va_end(ap);
-    for (char *p = raw; *p; p++)
-        if (*p == '\n' || *p == '\r' || *p == '\t')
-            *p = ' ';
-    idemp_mask_secrets(raw, msg, sizeof msg);
+    idemp_mask_line(raw ? raw : "(log line lost: out of memory)", msg, sizeof msg);
+    free(raw);
     timestamp(ts, sizeof ts);
 
     if (log_format == IDEM_LOG_JSON) {
@@ -84,7 +82,7 @@ void idem_log(idem_log_level level, const char *component, const char *const *kv
             if (p[1] == NULL)
                 continue;
             char val[1024];
-            idemp_mask_secrets(p[1], val, sizeof val);
+            idemp_mask_line(p[1], val, sizeof val);
             json_object_set_new(o, p[0], json_string(val));
         }
         char *line = json_dumps(o, JSON_COMPACT | JSON_PRESERVE_ORDER);
@@ -102,7 +100,7 @@ void idem_log(idem_log_level level, const char *component, const char *const *kv
             if (p[1] == NULL)
                 continue;
             char val[1024];
-            idemp_mask_secrets(p[1], val, sizeof val);
+            idemp_mask_line(p[1], val, sizeof val);
             bool quote = strpbrk(val, " \"=") != NULL || *val == '\0';
             n += snprintf(line + n, sizeof line - n, quote ? " %s=\"%s\"" : " %s=%s", p[0], val);
         }

@@ -2,13 +2,21 @@
 #ifndef IDEM_MASK_H
 #define IDEM_MASK_H
 
+#include <stdarg.h>
 #include <stddef.h>
 
 /* Copies in to out (NUL-terminated, truncated to outsz) with every URL password
  * ("scheme://user:SECRET@") and every conninfo "password=SECRET" replaced by "***". */
 void idemp_mask_secrets(const char *in, char *out, size_t outsz);
 
-/* "host:port" of a libpq conninfo/URI or an AMQP URL, for messages; defaults filled in. */
+/* vsnprintf into a new malloc'd string (NULL on failure). */
+char *idemp_vformat(const char *fmt, va_list ap);
+
+/* One log or error line: newlines and tabs become spaces (a trailing one is dropped), secrets
+ * are masked over the whole input, then the result is cut to outsz. */
+void idemp_mask_line(const char *in, char *out, size_t outsz);
+
+/* "host:port" of a libpq conninfo or URI, for messages; libpq's defaults filled in. */
 void idemp_pg_where(const char *conninfo, char *out, size_t outsz);
 
 #endif

@@ -23,7 +23,13 @@ struct idemp_pg {
     PGconn *conn;
     struct prepared prepared[PREPARED_MAX];
     int nprepared;
-    int generation; /* bumps on every connect, names prepared statements uniquely */
+    int generation;     /* bumps on every connect */
+    unsigned next_name; /* prepared statement names are never reused on a connection */
+    bool pipeline;      /* in libpq pipeline mode */
+    int first_new;      /* prepared entries from here on were queued in this pipeline */
+    bool paused;        /* pipeline left early by idemp_pg_pipeline_pause */
+    int queued;         /* results not yet read */
+    idem_error_t perr;  /* first error of the pipeline */
 };
 
 static uint64_t fnv1a(const char *s)
@@ -60,6 +66,8 @@ void idemp_pg_disconnect(idemp_pg_t *pg)
     if (pg->conn != NULL)
         PQfinish(pg->conn);
     pg->conn = NULL;
+    pg->pipeline = pg->paused = false;
+    pg->queued = 0;
     clear_prepared(pg);
 }
 
@@ -195,6 +203,130 @@ int idemp_pgconn_exec(PGconn *conn, const char *sql, int nparams, const char *co
     return check_result(conn, res, sql, out, err);
 }
 
+/* Reads one queued result in pipeline mode; keeps the first error in pg->perr. The result is
+ * returned in *out (if non-NULL and the statement succeeded), otherwise cleared. */
+static int read_queued(idemp_pg_t *pg, const char *what, PGresult **out)
+{
+    PGresult *res = PQgetResult(pg->conn);
+    pg->queued--;
+    if (res == NULL) {
+        pg->queued = 0;
+        return idem_error_set(&pg->perr, IDEM_ERR_PG_LOST, "%s failed: %s", what,
+                              PQerrorMessage(pg->conn));
+    }
+    ExecStatusType st = PQresultStatus(res);
+    int rc = IDEM_OK;
+    if (st == PGRES_PIPELINE_ABORTED) {
+        rc = pg->perr.code ? pg->perr.code : IDEM_ERR_PG_QUERY;
+        PQclear(res);
+    } else if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK) {
+        rc = result_error(pg->conn, res, what, &pg->perr);
+        PQclear(res);
+    } else if (out != NULL) {
+        *out = res;
+    } else {
+        PQclear(res);
+    }
+    PGresult *end = PQgetResult(pg->conn); /* NULL closes each statement's results */
+    if (end != NULL)
+        PQclear(end);
+    return rc;
+}
+
+static int pipeline_send_failed(idemp_pg_t *pg, const char *sql, idem_error_t *err)
+{
+    idem_error_set(&pg->perr, IDEM_ERR_PG_LOST, "sending %.40s failed: %s", sql,
+                   PQerrorMessage(pg->conn));
+    return idem_error_set(err, IDEM_ERR_PG_LOST, "%s", pg->perr.text);
+}
+
+/* Queues a statement in pipeline mode; with out, reads every queued result up to it. */
+static int pipeline_exec(idemp_pg_t *pg, const char *sql, const char *name, int nparams,
+                         const char *const *params, PGresult **out, idem_error_t *err)
+{
+    int ok = name != NULL ? PQsendQueryPrepared(pg->conn, name, nparams, params, NULL, NULL, 0)
+                          : PQsendQueryParams(pg->conn, sql, nparams, NULL, params, NULL, NULL, 0);
+    if (!ok)
+        return pipeline_send_failed(pg, sql, err);
+    pg->queued++;
+    if (out == NULL)
+        return IDEM_OK;
+    if (!PQsendFlushRequest(pg->conn) || PQflush(pg->conn) != 0)
+        return pipeline_send_failed(pg, sql, err);
+    while (pg->queued > 1)
+        read_queued(pg, "pipelined statement", NULL);
+    read_queued(pg, sql, out);
+    if (*out == NULL) {
+        idem_error_set(&pg->perr, IDEM_ERR_PG_QUERY, "statement skipped after an earlier error");
+        if (err != NULL && err->code == 0)
+            *err = pg->perr;
+        return pg->perr.code;
+    }
+    return IDEM_OK;
+}
+
+int idemp_pg_pipeline_begin(idemp_pg_t *pg, idem_error_t *err)
+{
+    if (!idemp_pg_connected(pg))
+        return idem_error_set(err, IDEM_ERR_PG_LOST, "not connected to PostgreSQL at %s",
+                              pg->where);
+    if (!PQenterPipelineMode(pg->conn))
+        return idem_error_set(err, IDEM_ERR_PG_QUERY, "cannot enter pipeline mode: %s",
+                              PQerrorMessage(pg->conn));
+    memset(&pg->perr, 0, sizeof pg->perr);
+    pg->pipeline = true;
+    pg->paused = false;
+    pg->queued = 0;
+    pg->first_new = pg->nprepared;
+    return IDEM_OK;
+}
+
+void idemp_pg_pipeline_pause(idemp_pg_t *pg)
+{
+    if (!pg->pipeline || pg->conn == NULL)
+        return;
+    if (!PQpipelineSync(pg->conn)) {
+        idem_error_set(&pg->perr, IDEM_ERR_PG_LOST, "pipeline sync failed: %s",
+                       PQerrorMessage(pg->conn));
+    } else {
+        while (pg->queued > 0)
+            read_queued(pg, "pipelined statement", NULL);
+        PGresult *res = PQgetResult(pg->conn);
+        if (res == NULL || PQresultStatus(res) != PGRES_PIPELINE_SYNC)
+            idem_error_set(&pg->perr, IDEM_ERR_PG_LOST, "pipeline sync lost: %s",
+                           PQerrorMessage(pg->conn));
+        PQclear(res);
+    }
+    if (PQstatus(pg->conn) == CONNECTION_OK && !PQexitPipelineMode(pg->conn))
+        idem_error_set(&pg->perr, IDEM_ERR_PG_LOST, "cannot leave pipeline mode: %s",
+                       PQerrorMessage(pg->conn));
+    if (PQstatus(pg->conn) != CONNECTION_OK && pg->perr.code != 0)
+        pg->perr.code = IDEM_ERR_PG_LOST;
+    pg->pipeline = false;
+    pg->paused = true;
+    pg->queued = 0;
+    if (pg->perr.code != 0) {
+        /* a queued PREPARE may not have happened: forget what this pipeline prepared */
+        for (int i = pg->first_new; i < pg->nprepared; i++)
+            free(pg->prepared[i].sql);
+        pg->nprepared = pg->first_new;
+    }
+}
+
+int idemp_pg_pipeline_end(idemp_pg_t *pg, idem_error_t *err)
+{
+    if (!pg->pipeline && !pg->paused)
+        return IDEM_OK;
+    idemp_pg_pipeline_pause(pg);
+    pg->paused = false;
+    if (pg->perr.code != 0) {
+        if (err != NULL && err->code == 0)
+            *err = pg->perr;
+        return pg->perr.code;
+    }
+    return IDEM_OK;
+}
+
 int idemp_pg_exec(idemp_pg_t *pg, const char *sql, int nparams, const char *const *params,
                   PGresult **out, idem_error_t *err)
 {
@@ -212,11 +344,19 @@ int idemp_pg_exec(idemp_pg_t *pg, const char *sql, int nparams, const char *cons
         }
     if (p == NULL && pg->nprepared < PREPARED_MAX) {
         p = &pg->prepared[pg->nprepared];
-        snprintf(p->name, sizeof p->name, "idem_%d_%d", pg->generation, pg->nprepared);
-        PGresult *res = PQprepare(pg->conn, p->name, sql, nparams, NULL);
-        int rc = check_result(pg->conn, res, sql, NULL, err);
-        if (rc != IDEM_OK)
-            return rc;
+        snprintf(p->name, sizeof p->name, "idem_%d_%u", pg->generation, pg->next_name++);
+        if (pg->pipeline) {
+            /* queued like the rest; a failure surfaces at the end of the pipeline, and the
+             * entry is then dropped (names are never reused, so nothing collides) */
+            if (!PQsendPrepare(pg->conn, p->name, sql, nparams, NULL))
+                return pipeline_send_failed(pg, sql, err);
+            pg->queued++;
+        } else {
+            PGresult *res = PQprepare(pg->conn, p->name, sql, nparams, NULL);
+            int rc = check_result(pg->conn, res, sql, NULL, err);
+            if (rc != IDEM_OK)
+                return rc;
+        }
         p->sql = strdup(sql);
         p->hash = h;
         if (p->sql == NULL)
@@ -224,6 +364,8 @@ int idemp_pg_exec(idemp_pg_t *pg, const char *sql, int nparams, const char *cons
         else
             pg->nprepared++;
     }
+    if (pg->pipeline)
+        return pipeline_exec(pg, sql, p ? p->name : NULL, nparams, params, out, err);
     PGresult *res = p != NULL
                         ? PQexecPrepared(pg->conn, p->name, nparams, params, NULL, NULL, 0)
                         : PQexecParams(pg->conn, sql, nparams, NULL, params, NULL, NULL, 0);
@@ -235,6 +377,8 @@ int idemp_pg_command(idemp_pg_t *pg, const char *sql, idem_error_t *err)
     if (!idemp_pg_connected(pg))
         return idem_error_set(err, IDEM_ERR_PG_LOST, "not connected to PostgreSQL at %s",
                               pg->where);
+    if (pg->pipeline)
+        return pipeline_exec(pg, sql, NULL, 0, NULL, NULL, err);
     return check_result(pg->conn, PQexec(pg->conn, sql), sql, NULL, err);
 }
 

@@ -30,6 +30,16 @@ const char *idemp_pg_where_str(const idemp_pg_t *pg);
 int idemp_pg_exec(idemp_pg_t *pg, const char *sql, int nparams, const char *const *params,
                   PGresult **out, idem_error_t *err);
 
+/* Pipeline mode (libpq 14+): between begin and end, idemp_pg_exec and idemp_pg_command queue
+ * their statement and return IDEM_OK at once unless the caller asks for a result (out), in which
+ * case everything queued so far is read first. Errors of queued statements are reported by
+ * idemp_pg_pipeline_end (the first one; later statements are skipped by the server). */
+int idemp_pg_pipeline_begin(idemp_pg_t *pg, idem_error_t *err);
+int idemp_pg_pipeline_end(idemp_pg_t *pg, idem_error_t *err);
+/* Reads everything queued and leaves pipeline mode, keeping any error for pipeline_end; for
+ * callers that need the plain connection in the middle of a pipeline. */
+void idemp_pg_pipeline_pause(idemp_pg_t *pg);
+
 /* A parameterless utility statement (BEGIN, COMMIT, ROLLBACK, LISTEN x). */
 int idemp_pg_command(idemp_pg_t *pg, const char *sql, idem_error_t *err);
 

@@ -29,7 +29,7 @@ const char *idem_event_id(const idem_event_t *ev);       /* lowercase canonical 
 const char *idem_event_type(const idem_event_t *ev);
 const char *idem_event_consumer(const idem_event_t *ev); /* the consumer name */
 json_t *idem_event_payload(const idem_event_t *ev);      /* a JSON object, borrowed */
-PGconn *idem_event_conn(idem_event_t *ev);               /* the open transaction, borrowed */
+PGconn *idem_event_conn(idem_event_t *ev); /* the open transaction, borrowed (no pipelining) */
 
 /* Records why the handler fails (one line; the first call wins) and returns outcome, so a
  * handler can write `return idem_event_fail(ev, IDEM_INVALID, "amount_cents: missing");`. */
@@ -40,7 +40,11 @@ idem_outcome idem_event_fail(idem_event_t *ev, idem_outcome outcome, const char 
  * keyed by the SQL text, which must therefore be a constant). On success returns IDEM_DONE and,
  * if out is non-NULL, a new PGresult the caller must PQclear. On failure it records the server's
  * message and returns IDEM_RETRY for transient errors (SQLSTATE 40001, 40P01, 55P03, 57014, a
- * lost connection) and IDEM_REJECT otherwise; *out is then NULL. */
+ * lost connection) and IDEM_REJECT otherwise; *out is then NULL.
+ * Inside a batch, a statement without out may be queued (pipelined) and IDEM_DONE returned at
+ * once; if it fails, the whole batch rolls back and every event is run again in a transaction of
+ * its own, where this function reports the failure as above. Handlers therefore need no special
+ * care, but must not keep side effects outside the database. */
 idem_outcome idem_event_exec(idem_event_t *ev, const char *sql, int nparams,
                              const char *const *params, PGresult **out);
 
