@@ -27,11 +27,15 @@
 #define RECONNECT_MAX_MS 5000
 #define GAUGE_EVERY_MS 1000
 
-/* Step 1: the oldest due rows whose subscription no other relay holds; taking the
- * subscription's transaction-level advisory lock is what makes a row a candidate. */
+/* Step 1: the oldest due rows whose subscription no other relay holds, skipping rows that wait
+ * behind a retrying row of their subscription (so they cannot crowd out other subscriptions);
+ * taking the subscription's transaction-level advisory lock is what makes a row a candidate. */
 #define SQL_LOCK_CANDIDATES                                                                        \
     "SELECT o.outbox_id FROM event_outbox o"                                                     \
     " WHERE o.status = 'pending' AND o.next_attempt_at <= now()"                                 \
+    "   AND NOT EXISTS (SELECT 1 FROM event_outbox e"                                            \
+    "                    WHERE e.subscription_id = o.subscription_id AND e.status = 'pending'"   \
+    "                      AND e.attempts > 0 AND e.next_attempt_at > now() AND e.seq < o.seq)"  \
     "   AND pg_try_advisory_xact_lock(7649, hashtext(o.subscription_id::text))"                  \
     " ORDER BY o.seq LIMIT $1"
 
@@ -79,18 +83,34 @@ typedef struct row {
     enum rstate state;
 } row_t;
 
+/* A claiming transaction with its published batch. Two slots let one batch's confirms be in
+ * flight while the other is claimed or committed; their subscriptions are disjoint (advisory
+ * locks), so per-subscription order is unaffected. */
+typedef struct slot {
+    idemp_pg_t *pg;
+    row_t *rows;
+    size_t n;
+    PGresult *res; /* owns the rows' strings while in flight */
+    uint64_t last_tag;
+    bool inflight; /* transaction open, batch published, confirms pending */
+    uint64_t order; /* claim order, to settle the oldest first */
+    int64_t t0, t_claim, t_pub;
+} slot_t;
+
+#define NSLOTS 2
+
 struct idem_relay {
     idem_relay_config_t cfg;
     char *pg_conninfo, *amqp_url, *exchange;
-    idemp_pg_t *pg;
+    idemp_pg_t *pg; /* = slots[0].pg, which also LISTENs */
+    slot_t slots[NSLOTS];
+    uint64_t claims;
     idemp_amqp_t *amqp;
     idemp_metrics_t *metrics;
     idemp_backoff_t pg_backoff, amqp_backoff;
     int64_t pg_next_ms, amqp_next_ms, gauge_next_ms;
     bool pg_was_up, amqp_was_up;
     idem_relay_stats_t stats;
-    row_t *rows;
-    size_t caprows;
     volatile sig_atomic_t no_stop;
 };
 
@@ -122,13 +142,15 @@ idem_relay_t *idem_relay_new(const idem_relay_config_t *cfg, idem_error_t *err)
     r->pg_conninfo = strdup(cfg->pg_conninfo ? cfg->pg_conninfo : "");
     r->amqp_url = strdup(cfg->amqp_url ? cfg->amqp_url : "amqp://guest:guest@127.0.0.1:5672");
     r->exchange = strdup(cfg->exchange ? cfg->exchange : "billing.events");
-    r->rows = calloc((size_t)cfg->batch, sizeof *r->rows);
-    if (!r->pg_conninfo || !r->amqp_url || !r->exchange || !r->rows)
+    if (!r->pg_conninfo || !r->amqp_url || !r->exchange)
         goto nomem;
-    r->caprows = (size_t)cfg->batch;
-    r->pg = idemp_pg_new(r->pg_conninfo);
-    if (r->pg == NULL)
-        goto nomem;
+    for (int i = 0; i < NSLOTS; i++) {
+        r->slots[i].rows = calloc((size_t)cfg->batch, sizeof(row_t));
+        r->slots[i].pg = idemp_pg_new(r->pg_conninfo);
+        if (r->slots[i].rows == NULL || r->slots[i].pg == NULL)
+            goto nomem;
+    }
+    r->pg = r->slots[0].pg;
     r->amqp = idemp_amqp_new(r->amqp_url, err);
     if (r->amqp == NULL) {
         idem_relay_free(r);
@@ -149,8 +171,11 @@ void idem_relay_free(idem_relay_t *r)
         return;
     idemp_metrics_free(r->metrics);
     idemp_amqp_free(r->amqp);
-    idemp_pg_free(r->pg);
-    free(r->rows);
+    for (int i = 0; i < NSLOTS; i++) {
+        PQclear(r->slots[i].res);
+        idemp_pg_free(r->slots[i].pg);
+        free(r->slots[i].rows);
+    }
     free(r->pg_conninfo);
     free(r->amqp_url);
     free(r->exchange);
@@ -180,15 +205,32 @@ static void schedule(idemp_backoff_t *b, int64_t *next_ms, const char *what, con
     idem_log(IDEM_LOG_WARN, LOGC, kv, "%s", text);
 }
 
+static bool pg_connected(const idem_relay_t *r)
+{
+    for (int i = 0; i < NSLOTS; i++)
+        if (!idemp_pg_connected(r->slots[i].pg))
+            return false;
+    return true;
+}
+
+static void pg_disconnect(idem_relay_t *r)
+{
+    for (int i = 0; i < NSLOTS; i++)
+        idemp_pg_disconnect(r->slots[i].pg);
+}
+
 /* Connects what is down. In once mode a failure is returned; as a daemon it is retried. */
 static int ensure_connected(idem_relay_t *r, idem_error_t *err)
 {
     int64_t now = idemp_now_ms();
-    if (!idemp_pg_connected(r->pg) && now >= r->pg_next_ms) {
+    if (!pg_connected(r) && now >= r->pg_next_ms) {
         idem_error_t e = {0};
         if (r->pg_was_up)
             idemp_metrics_reconnect(r->metrics, IDEMP_SERVER_POSTGRES);
-        int rc = idemp_pg_connect(r->pg, &e);
+        int rc = IDEM_OK;
+        for (int i = 0; i < NSLOTS && rc == IDEM_OK; i++)
+            rc = idemp_pg_connected(r->slots[i].pg) ? IDEM_OK
+                                                     : idemp_pg_connect(r->slots[i].pg, &e);
         if (rc == IDEM_OK && !r->cfg.once)
             rc = idemp_pg_command(r->pg, "LISTEN idem_outbox", &e);
         if (rc == IDEM_OK) {
@@ -198,7 +240,7 @@ static int ensure_connected(idem_relay_t *r, idem_error_t *err)
             idem_log(r->cfg.once ? IDEM_LOG_DEBUG : IDEM_LOG_INFO, LOGC, kv,
                      "connected to PostgreSQL");
         } else {
-            idemp_pg_disconnect(r->pg);
+            pg_disconnect(r);
             if (r->cfg.once)
                 return idem_error_set(err, IDEM_ERR_PG_CONNECT, "%s", e.text);
             schedule(&r->pg_backoff, &r->pg_next_ms, "postgres", e.text);
@@ -260,33 +302,28 @@ static bool array_append(char **buf, size_t *len, size_t *cap, const char *s, bo
     return true;
 }
 
-struct confirm_ctx {
-    row_t *rows;
-    size_t n;
-    uint64_t first_tag;
-};
-
+/* Confirms may cover rows of both in-flight batches (a multiple ack). */
 static void on_confirm(void *ud, idemp_confirm_kind kind, uint64_t tag, bool multiple,
                        const amqp_message_t *m)
 {
-    struct confirm_ctx *cx = ud;
-    if (kind == IDEMP_CONFIRM_RETURN) {
-        const amqp_basic_properties_t *p = &m->properties;
-        if (!(p->_flags & AMQP_BASIC_MESSAGE_ID_FLAG))
-            return;
-        for (size_t i = 0; i < cx->n; i++)
-            if (p->message_id.len == 36 &&
-                memcmp(cx->rows[i].event_id, p->message_id.bytes, 36) == 0 &&
-                cx->rows[i].state == R_SENT_WAIT)
-                cx->rows[i].state = R_RETURNED;
-        return;
-    }
-    enum rstate to = kind == IDEMP_CONFIRM_ACK ? R_ACKED : R_NACKED;
-    for (size_t i = 0; i < cx->n; i++) {
-        row_t *row = &cx->rows[i];
-        bool hit = multiple ? row->tag <= tag : row->tag == tag;
-        if (hit && row->state == R_SENT_WAIT)
-            row->state = to;
+    idem_relay_t *r = ud;
+    for (int k = 0; k < NSLOTS; k++) {
+        slot_t *sl = &r->slots[k];
+        if (!sl->inflight)
+            continue;
+        for (size_t i = 0; i < sl->n; i++) {
+            row_t *row = &sl->rows[i];
+            if (row->state != R_SENT_WAIT)
+                continue;
+            if (kind == IDEMP_CONFIRM_RETURN) {
+                const amqp_basic_properties_t *p = &m->properties;
+                if ((p->_flags & AMQP_BASIC_MESSAGE_ID_FLAG) && p->message_id.len == 36 &&
+                    memcmp(row->event_id, p->message_id.bytes, 36) == 0)
+                    row->state = R_RETURNED;
+            } else if (multiple ? row->tag <= tag : row->tag == tag) {
+                row->state = kind == IDEMP_CONFIRM_ACK ? R_ACKED : R_NACKED;
+            }
+        }
     }
 }
 
@@ -316,14 +353,14 @@ static int publish_row(idem_relay_t *r, row_t *row, idem_error_t *err)
 }
 
 /* Marks the batch's outcome in the open transaction. */
-static int settle_rows(idem_relay_t *r, size_t n, uint64_t *sent, idem_error_t *err)
+static int settle_rows(idem_relay_t *r, slot_t *sl, uint64_t *sent, idem_error_t *err)
 {
     char *ids = NULL, *fids = NULL, *ferrs = NULL;
     size_t il = 0, ic = 0, fl = 0, fc = 0, el = 0, ec = 0;
-    size_t nsent = 0, nfail = 0;
+    size_t nsent = 0, nfail = 0, n = sl->n;
     bool ok = true;
     for (size_t i = 0; i < n && ok; i++) {
-        row_t *row = &r->rows[i];
+        row_t *row = &sl->rows[i];
         if (row->state == R_ACKED) {
             ok = array_append(&ids, &il, &ic, row->outbox_id, nsent == 0);
             nsent++;
@@ -351,7 +388,7 @@ static int settle_rows(idem_relay_t *r, size_t n, uint64_t *sent, idem_error_t *
             snprintf(lit, il + 3, "{%s}", ids);
             const char *p[] = {lit};
             PGresult *res;
-            rc = idemp_pg_exec(r->pg, SQL_MARK_SENT, 1, p, &res, err);
+            rc = idemp_pg_exec(sl->pg, SQL_MARK_SENT, 1, p, &res, err);
             if (rc == IDEM_OK) {
                 *sent = strtoull(PQcmdTuples(res), NULL, 10);
                 PQclear(res);
@@ -371,7 +408,7 @@ static int settle_rows(idem_relay_t *r, size_t n, uint64_t *sent, idem_error_t *
             snprintf(l2, el + 3, "{%s}", ferrs);
             const char *p[] = {l1, att, base, max, l2};
             PGresult *res;
-            rc = idemp_pg_exec(r->pg, SQL_MARK_FAILED, 5, p, &res, err);
+            rc = idemp_pg_exec(sl->pg, SQL_MARK_FAILED, 5, p, &res, err);
             for (int i = 0; rc == IDEM_OK && i < PQntuples(res); i++) {
                 const char *status = PQgetvalue(res, i, 2);
                 bool parked = strcmp(status, "failed") == 0;
@@ -380,8 +417,8 @@ static int settle_rows(idem_relay_t *r, size_t n, uint64_t *sent, idem_error_t *
                                     "attempts", PQgetvalue(res, i, 3), NULL};
                 const char *why = "";
                 for (size_t j = 0; j < n; j++)
-                    if (strcmp(r->rows[j].outbox_id, PQgetvalue(res, i, 0)) == 0)
-                        why = r->rows[j].state == R_RETURNED ? "returned as unroutable"
+                    if (strcmp(sl->rows[j].outbox_id, PQgetvalue(res, i, 0)) == 0)
+                        why = sl->rows[j].state == R_RETURNED ? "returned as unroutable"
                                                              : "nacked by the broker";
                 if (parked) {
                     r->stats.parked++;
@@ -407,23 +444,40 @@ static int settle_rows(idem_relay_t *r, size_t n, uint64_t *sent, idem_error_t *
     return rc;
 }
 
-/* Claims, publishes and settles one batch. *claimed receives the number of rows claimed. */
-static int run_batch(idem_relay_t *r, size_t *claimed, idem_error_t *err)
+/* Rolls back every open batch: nothing is spent, the rows stay pending and come again (the
+ * consumer deduplicates what the broker already has). */
+static void abort_all(idem_relay_t *r)
 {
-    int64_t t0 = idemp_now_ms();
+    for (int k = 0; k < NSLOTS; k++) {
+        slot_t *sl = &r->slots[k];
+        if (sl->inflight && idemp_pg_connected(sl->pg)) {
+            idem_error_t rb = {0};
+            idemp_pg_command(sl->pg, "ROLLBACK", &rb);
+        }
+        PQclear(sl->res);
+        sl->res = NULL;
+        sl->inflight = false;
+        sl->n = 0;
+    }
+}
+
+/* Claims a batch into sl and publishes it (confirms still pending). *claimed = rows claimed. */
+static int claim_publish(idem_relay_t *r, slot_t *sl, size_t *claimed, idem_error_t *err)
+{
     char limit[16];
     snprintf(limit, sizeof limit, "%d", r->cfg.batch);
     PGresult *cands = NULL, *res = NULL;
     *claimed = 0;
+    sl->t0 = idemp_now_ms();
 
-    int rc = idemp_pg_command(r->pg, "BEGIN", err);
+    int rc = idemp_pg_command(sl->pg, "BEGIN", err);
     if (rc == IDEM_OK) {
         const char *p[] = {limit};
-        rc = idemp_pg_exec(r->pg, SQL_LOCK_CANDIDATES, 1, p, &cands, err);
+        rc = idemp_pg_exec(sl->pg, SQL_LOCK_CANDIDATES, 1, p, &cands, err);
     }
     if (rc == IDEM_OK && PQntuples(cands) == 0) {
         PQclear(cands);
-        return idemp_pg_command(r->pg, "COMMIT", err);
+        return idemp_pg_command(sl->pg, "COMMIT", err);
     }
     if (rc == IDEM_OK) {
         char *lit = NULL;
@@ -437,19 +491,23 @@ static int run_batch(idem_relay_t *r, size_t *claimed, idem_error_t *err)
         } else {
             snprintf(arr, len + 3, "{%s}", lit);
             const char *p[] = {arr};
-            rc = idemp_pg_exec(r->pg, SQL_CLAIM_ROWS, 1, p, &res, err);
+            rc = idemp_pg_exec(sl->pg, SQL_CLAIM_ROWS, 1, p, &res, err);
         }
         free(arr);
         free(lit);
     }
     PQclear(cands);
-    int64_t t_claim = idemp_now_ms();
+    sl->t_claim = idemp_now_ms();
+    if (rc != IDEM_OK) {
+        PQclear(res);
+        return rc;
+    }
 
-    size_t n = rc == IDEM_OK ? (size_t)PQntuples(res) : 0;
-    if (n > r->caprows)
-        n = r->caprows;
+    size_t n = (size_t)PQntuples(res);
+    if (n > (size_t)r->cfg.batch)
+        n = (size_t)r->cfg.batch;
     for (size_t i = 0; i < n; i++) {
-        row_t *row = &r->rows[i];
+        row_t *row = &sl->rows[i];
         snprintf(row->outbox_id, sizeof row->outbox_id, "%s", PQgetvalue(res, (int)i, 0));
         snprintf(row->event_id, sizeof row->event_id, "%s", PQgetvalue(res, (int)i, 1));
         snprintf(row->subscription_id, sizeof row->subscription_id, "%s",
@@ -459,56 +517,84 @@ static int run_batch(idem_relay_t *r, size_t *claimed, idem_error_t *err)
         row->created_s = strtoll(PQgetvalue(res, (int)i, 6), NULL, 10);
         row->state = R_SENT_WAIT;
     }
+    sl->res = res;
+    sl->n = n;
+    sl->inflight = true; /* from here the transaction is open until settle or abort */
+    sl->order = ++r->claims;
     *claimed = n;
+    if (n == 0)
+        return IDEM_OK; /* every candidate was taken meanwhile: settle commits the empty batch */
 
-    /* publish the whole batch, then wait for its confirms once */
-    uint64_t last_tag = 0;
-    for (size_t i = 0; rc == IDEM_OK && i < n; i++) {
-        rc = publish_row(r, &r->rows[i], err);
-        last_tag = r->rows[i].tag;
-    }
-    struct confirm_ctx cx = {r->rows, n, n ? r->rows[0].tag : 0};
-    if (rc == IDEM_OK && n > 0)
-        rc = idemp_amqp_wait_confirms(r->amqp, last_tag, r->cfg.confirm_timeout_ms, on_confirm,
-                                      &cx, err);
-    int64_t t_pub = idemp_now_ms();
+    /* publish the whole batch; its confirms are awaited in settle_commit */
+    for (size_t i = 0; rc == IDEM_OK && i < n; i++)
+        rc = publish_row(r, &sl->rows[i], err);
+    sl->last_tag = sl->rows[n - 1].tag;
+    sl->t_pub = idemp_now_ms();
+    return rc;
+}
 
+/* Waits for sl's confirms, marks its rows and commits. */
+static int settle_commit(idem_relay_t *r, slot_t *sl, idem_error_t *err)
+{
+    int rc = IDEM_OK;
+    if (sl->n > 0)
+        rc = idemp_amqp_wait_confirms(r->amqp, sl->last_tag, r->cfg.confirm_timeout_ms, on_confirm,
+                                      r, err);
+    int64_t t_conf = idemp_now_ms();
     uint64_t sent = 0;
     if (rc == IDEM_OK) {
         size_t acked = 0;
-        for (size_t i = 0; i < n; i++)
-            acked += r->rows[i].state == R_ACKED;
+        for (size_t i = 0; i < sl->n; i++)
+            acked += sl->rows[i].state == R_ACKED;
         if (acked > 0)
             idemp_fault_point("relay.after_publish");
-        rc = settle_rows(r, n, &sent, err);
+        rc = settle_rows(r, sl, &sent, err);
     }
     if (rc == IDEM_OK)
-        rc = idemp_pg_command(r->pg, "COMMIT", err);
-    PQclear(res); /* rows[] borrowed strings from res: done with them now */
+        rc = idemp_pg_command(sl->pg, "COMMIT", err);
+    if (rc != IDEM_OK)
+        return rc; /* the caller aborts every open batch */
+    size_t n = sl->n;
+    PQclear(sl->res); /* rows[] borrowed strings from res: done with them now */
+    sl->res = NULL;
+    sl->inflight = false;
+    sl->n = 0;
 
-    if (rc != IDEM_OK) {
-        /* nothing is spent: the rows stay pending and come again (the consumer dedups) */
-        if (idemp_pg_connected(r->pg)) {
-            idem_error_t rb = {0};
-            idemp_pg_command(r->pg, "ROLLBACK", &rb);
-        }
-        *claimed = 0;
-        return rc;
-    }
     r->stats.published += sent;
     r->stats.batches++;
     idemp_metrics_add(r->metrics, IDEMP_M_RELAY_PUBLISHED, sent);
-    idemp_metrics_batch_duration(r->metrics, (double)(idemp_now_ms() - t0) / 1000.0);
+    idemp_metrics_batch_duration(r->metrics, (double)(idemp_now_ms() - sl->t0) / 1000.0);
     if (n > 0) {
-        char a[24], b[24], c1[24], d[24];
+        char a[24], b[24], c1[24], d[24], e[24];
         snprintf(a, sizeof a, "%zu", n);
         snprintf(b, sizeof b, "%llu", (unsigned long long)sent);
-        snprintf(c1, sizeof c1, "%lld", (long long)(t_claim - t0));
-        snprintf(d, sizeof d, "%lld", (long long)(t_pub - t_claim));
-        const char *kv[] = {"claimed", a, "sent", b, "claim_ms", c1, "publish_ms", d, NULL};
+        snprintf(c1, sizeof c1, "%lld", (long long)(sl->t_claim - sl->t0));
+        snprintf(d, sizeof d, "%lld", (long long)(t_conf - sl->t_claim));
+        snprintf(e, sizeof e, "%lld", (long long)(idemp_now_ms() - t_conf));
+        const char *kv[] = {"claimed", a, "sent", b, "claim_ms", c1, "confirm_ms", d,
+                            "mark_commit_ms", e, NULL};
         idem_log(IDEM_LOG_DEBUG, LOGC, kv, "batch committed");
     }
     return IDEM_OK;
+}
+
+/* The free slot to claim into, or NULL. */
+static slot_t *free_slot(idem_relay_t *r)
+{
+    for (int k = 0; k < NSLOTS; k++)
+        if (!r->slots[k].inflight)
+            return &r->slots[k];
+    return NULL;
+}
+
+/* The in-flight slot claimed first, or NULL. */
+static slot_t *oldest_inflight(idem_relay_t *r)
+{
+    slot_t *best = NULL;
+    for (int k = 0; k < NSLOTS; k++)
+        if (r->slots[k].inflight && (best == NULL || r->slots[k].order < best->order))
+            best = &r->slots[k];
+    return best;
 }
 
 /* ---- the loop ---------------------------------------------------------------------------- */
@@ -583,22 +669,35 @@ int idem_relay_run(idem_relay_t *r, idem_error_t *err)
     idem_log_level life = r->cfg.once ? IDEM_LOG_DEBUG : IDEM_LOG_INFO;
     idem_log(life, LOGC, NULL, "starting%s", r->cfg.once ? " (once)" : "");
     int result = IDEM_OK;
+    slot_t *sl;
     while (!stopping(r)) {
         int rc = ensure_connected(r, err);
         if (rc != IDEM_OK) {
             result = rc;
             break;
         }
-        if (!idemp_pg_connected(r->pg) || !idemp_amqp_connected(r->amqp)) {
+        if (!pg_connected(r) || !idemp_amqp_connected(r->amqp)) {
             idemp_sleep_ms(50, r->cfg.stop);
             continue;
         }
-        update_gauge(r);
+        if (oldest_inflight(r) == NULL)
+            update_gauge(r);
         drain_notifies(r);
-        size_t claimed = 0;
         idem_error_t e = {0};
-        rc = run_batch(r, &claimed, &e);
+        /* keep up to NSLOTS batches in flight: claim into free slots, settle the oldest */
+        bool claimed_any = false;
+        rc = IDEM_OK;
+        while (rc == IDEM_OK && (sl = free_slot(r)) != NULL && !stopping(r)) {
+            size_t claimed = 0;
+            rc = claim_publish(r, sl, &claimed, &e);
+            if (claimed == 0)
+                break;
+            claimed_any = true;
+        }
+        if (rc == IDEM_OK && (sl = oldest_inflight(r)) != NULL)
+            rc = settle_commit(r, sl, &e);
         if (rc != IDEM_OK) {
+            abort_all(r);
             bool pg_side = rc == IDEM_ERR_PG_LOST || rc == IDEM_ERR_PG_QUERY;
             const char *kv[] = {"server", pg_side ? "postgres" : "rabbitmq", NULL};
             if (r->cfg.once) {
@@ -607,8 +706,8 @@ int idem_relay_run(idem_relay_t *r, idem_error_t *err)
                 break;
             }
             idem_log(IDEM_LOG_WARN, LOGC, kv, "batch abandoned, nothing spent: %s", e.text);
-            if (pg_side && !idemp_pg_connected(r->pg)) {
-                idemp_pg_disconnect(r->pg);
+            if (pg_side && !pg_connected(r)) {
+                pg_disconnect(r);
                 schedule(&r->pg_backoff, &r->pg_next_ms, "postgres", "reconnecting");
             } else if (pg_side) {
                 idemp_sleep_ms(RECONNECT_BASE_MS, r->cfg.stop);
@@ -618,11 +717,19 @@ int idem_relay_run(idem_relay_t *r, idem_error_t *err)
             }
             continue;
         }
-        if (claimed >= (size_t)r->cfg.batch)
+        if (claimed_any || oldest_inflight(r) != NULL)
             continue; /* more is probably due */
         if (r->cfg.once)
             break;
         wait_for_work(r);
+    }
+    /* a stop between claim and settle: finish what was published (its confirms, mark, commit) */
+    while ((sl = oldest_inflight(r)) != NULL) {
+        idem_error_t e = {0};
+        if (settle_commit(r, sl, &e) != IDEM_OK) {
+            abort_all(r);
+            break;
+        }
     }
     {
         char a[24], b[24], c1[24];
@@ -633,6 +740,6 @@ int idem_relay_run(idem_relay_t *r, idem_error_t *err)
         idem_log(life, LOGC, kv, "stopped");
     }
     idemp_amqp_disconnect(r->amqp);
-    idemp_pg_disconnect(r->pg);
+    pg_disconnect(r);
     return result;
 }
