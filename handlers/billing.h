@@ -20,8 +20,7 @@ typedef struct billing_payload {
 /* Validates payload (a JSON object): invoice_id and subscription_id UUID strings, amount_cents
  * an integer >= 0, currency three uppercase letters; extra fields are ignored. On failure
  * returns false and writes the reason to why. */
-bool billing_payload_parse(const json_t *payload, billing_payload_t *out, char *why,
-                           size_t why_sz);
+bool billing_payload_parse(const json_t *payload, billing_payload_t *out, char *why, size_t why_sz);
 
 idem_outcome billing_payment_failed(idem_event_t *ev, void *userdata);
 idem_outcome billing_invoice_paid(idem_event_t *ev, void *userdata);

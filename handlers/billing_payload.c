@@ -19,8 +19,7 @@ static bool uuid_field(const json_t *o, const char *name, char out[37], char *wh
     return true;
 }
 
-bool billing_payload_parse(const json_t *payload, billing_payload_t *out, char *why,
-                           size_t why_sz)
+bool billing_payload_parse(const json_t *payload, billing_payload_t *out, char *why, size_t why_sz)
 {
     memset(out, 0, sizeof *out);
     if (!json_is_object(payload)) {

@@ -8,12 +8,13 @@
 #include "billing.h"
 
 #define SQL_INVOICE_PAID                                                                           \
-    "WITH revenue AS ("                                                                          \
-    "  INSERT INTO revenue_entries (invoice_id, subscription_id, amount_cents, currency, event_id)" \
-    "  VALUES ($1, $2, $3, $4, $5)), "                                                           \
-    "dunning_reset AS ("                                                                         \
-    "  UPDATE dunning SET step = 0, updated_at = now(), last_event_id = $5"                      \
-    "  WHERE subscription_id = $2) "                                                             \
+    "WITH revenue AS ("                                                                            \
+    "  INSERT INTO revenue_entries (invoice_id, subscription_id, amount_cents, currency, "         \
+    "event_id)"                                                                                    \
+    "  VALUES ($1, $2, $3, $4, $5)), "                                                             \
+    "dunning_reset AS ("                                                                           \
+    "  UPDATE dunning SET step = 0, updated_at = now(), last_event_id = $5"                        \
+    "  WHERE subscription_id = $2) "                                                               \
     "SELECT idem_emit('receipt.requested', $2, $6, $7::jsonb)"
 
 idem_outcome billing_invoice_paid(idem_event_t *ev, void *userdata)
@@ -28,8 +29,8 @@ idem_outcome billing_invoice_paid(idem_event_t *ev, void *userdata)
     char *payload = json_dumps(idem_event_payload(ev), JSON_COMPACT);
     if (payload == NULL)
         return idem_event_fail(ev, IDEM_RETRY, "out of memory");
-    const char *params[] = {p.invoice_id, p.subscription_id, amount, p.currency,
-                            idem_event_id(ev), key, payload};
+    const char *params[] = {
+        p.invoice_id, p.subscription_id, amount, p.currency, idem_event_id(ev), key, payload};
     idem_outcome o = idem_event_exec(ev, SQL_INVOICE_PAID, 7, params, NULL);
     free(payload);
     return o;

@@ -34,15 +34,15 @@
 
 /* Claims a set of event ids for a consumer; returns the ids actually claimed (new). */
 #define SQL_CLAIM                                                                                  \
-    "INSERT INTO consumed_events (consumer, event_id) "                                           \
+    "INSERT INTO consumed_events (consumer, event_id) "                                            \
     "SELECT $1, e FROM unnest($2::uuid[]) AS e ON CONFLICT DO NOTHING RETURNING event_id"
 
 enum dstate {
-    D_NEW,        /* received, not yet validated */
-    D_READY,      /* valid, waiting for (re)processing */
-    D_ACK,        /* committed or duplicate or dead-lettered: ack it */
-    D_DEAD,       /* to be dead-lettered (dl_code set) */
-    D_RETRY,      /* transient failure: wait until due */
+    D_NEW,   /* received, not yet validated */
+    D_READY, /* valid, waiting for (re)processing */
+    D_ACK,   /* committed or duplicate or dead-lettered: ack it */
+    D_DEAD,  /* to be dead-lettered (dl_code set) */
+    D_RETRY, /* transient failure: wait until due */
 };
 
 typedef struct delivery {
@@ -99,8 +99,8 @@ idem_consumer_t *idem_consumer_new(const idem_consumer_config_t *cfg, idem_error
         idem_error_set(err, IDEM_ERR_INVALID, "a consumer name and a queue are required");
         return NULL;
     }
-    if (cfg->prefetch < 1 || cfg->prefetch > 65535 || cfg->batch_max < 1 ||
-        cfg->max_retries < 0 || cfg->max_message_bytes < 1) {
+    if (cfg->prefetch < 1 || cfg->prefetch > 65535 || cfg->batch_max < 1 || cfg->max_retries < 0 ||
+        cfg->max_message_bytes < 1) {
         idem_error_set(err, IDEM_ERR_INVALID, "invalid consumer configuration");
         return NULL;
     }
@@ -205,9 +205,11 @@ static bool stopping(const idem_consumer_t *c)
 static void log_delivery(idem_log_level lvl, const idem_consumer_t *c, const delivery_t *d,
                          const char *fmt, const char *a)
 {
-    const char *kv[] = {"consumer", c->consumer, "queue", c->queue,
-                        "event_id", d->ev.event_id[0] ? d->ev.event_id : NULL,
-                        "event_type", d->ev.event_type[0] ? d->ev.event_type : NULL, NULL};
+    const char *kv[] = {"consumer",   c->consumer,
+                        "queue",      c->queue,
+                        "event_id",   d->ev.event_id[0] ? d->ev.event_id : NULL,
+                        "event_type", d->ev.event_type[0] ? d->ev.event_type : NULL,
+                        NULL};
     idem_log(lvl, LOGC, kv, fmt, a);
 }
 
@@ -227,8 +229,7 @@ static int setup_topology(idem_consumer_t *c, idem_error_t *err)
             rc = idemp_amqp_bind(c->in, c->queue, c->exchange, *b, err);
     } else {
         for (size_t i = 0; i < idemp_registry_count(c->reg) && rc == IDEM_OK; i++)
-            rc = idemp_amqp_bind(c->in, c->queue, c->exchange, idemp_registry_type(c->reg, i),
-                                 err);
+            rc = idemp_amqp_bind(c->in, c->queue, c->exchange, idemp_registry_type(c->reg, i), err);
     }
     if (rc == IDEM_OK)
         rc = idemp_amqp_consume(c->in, c->queue, c->cfg.prefetch, err);
@@ -245,8 +246,7 @@ static bool ensure_connected(idem_consumer_t *c)
             idemp_metrics_reconnect(c->metrics, IDEMP_SERVER_POSTGRES);
         if (idemp_pg_connect(c->pg, &err) == IDEM_OK) {
             idemp_backoff_reset(&c->pg_backoff);
-            const char *kv[] = {"consumer", c->consumer, "server",
-                                idemp_pg_where_str(c->pg), NULL};
+            const char *kv[] = {"consumer", c->consumer, "server", idemp_pg_where_str(c->pg), NULL};
             idem_log(IDEM_LOG_INFO, LOGC, kv, "connected to PostgreSQL");
             c->pg_was_up = true;
         } else {
@@ -259,8 +259,7 @@ static bool ensure_connected(idem_consumer_t *c)
             idem_log(IDEM_LOG_WARN, LOGC, kv, "%s", err.text);
         }
     }
-    if ((!idemp_amqp_connected(c->in) || !idemp_amqp_connected(c->out)) &&
-        now >= c->amqp_next_ms) {
+    if ((!idemp_amqp_connected(c->in) || !idemp_amqp_connected(c->out)) && now >= c->amqp_next_ms) {
         /* deliveries of a dead channel come again from the broker: forget them */
         drop_held(c);
         idem_error_t err = {0};
@@ -273,8 +272,9 @@ static bool ensure_connected(idem_consumer_t *c)
             rc = idemp_amqp_connect(c->out, true, &err);
         if (rc == IDEM_OK) {
             idemp_backoff_reset(&c->amqp_backoff);
-            const char *kv[] = {"consumer", c->consumer, "queue", c->queue, "server",
-                                idemp_amqp_where(c->in), NULL};
+            const char *kv[] = {"consumer", c->consumer, "queue",
+                                c->queue,   "server",    idemp_amqp_where(c->in),
+                                NULL};
             idem_log(IDEM_LOG_INFO, LOGC, kv, "connected to RabbitMQ, consuming");
             c->amqp_was_up = true;
         } else {
@@ -285,13 +285,11 @@ static bool ensure_connected(idem_consumer_t *c)
             c->amqp_next_ms = now + wait;
             char w[32];
             snprintf(w, sizeof w, "%lld", (long long)wait);
-            const char *kv[] = {"consumer", c->consumer, "queue", c->queue, "retry_in_ms", w,
-                                NULL};
+            const char *kv[] = {"consumer", c->consumer, "queue", c->queue, "retry_in_ms", w, NULL};
             idem_log(IDEM_LOG_WARN, LOGC, kv, "%s", err.text);
         }
     }
-    return idemp_pg_connected(c->pg) && idemp_amqp_connected(c->in) &&
-           idemp_amqp_connected(c->out);
+    return idemp_pg_connected(c->pg) && idemp_amqp_connected(c->in) && idemp_amqp_connected(c->out);
 }
 
 static void pg_lost(idem_consumer_t *c, const char *why)
@@ -355,8 +353,7 @@ static void validate(idem_consumer_t *c, delivery_t *d)
     in.body_len = d->env.message.body.len;
 
     d->dl_code = idemp_envelope_parse(&in, c->cfg.max_message_bytes, idemp_wall_ms(),
-                                      c->cfg.dedup_window_ms, &d->ev, d->detail,
-                                      sizeof d->detail);
+                                      c->cfg.dedup_window_ms, &d->ev, d->detail, sizeof d->detail);
     if (d->dl_code == IDEMP_DL_NONE) {
         d->handler = idemp_registry_find(c->reg, d->ev.event_type);
         if (d->handler == NULL) {
@@ -427,10 +424,12 @@ static int dead_letter(idem_consumer_t *c, delivery_t *d)
     }
     idemp_metrics_dead_letter(c->metrics, d->dl_code);
     {
-        const char *kv[] = {"consumer", c->consumer, "queue", c->queue,
-                            "event_id", d->ev.event_id[0] ? d->ev.event_id : NULL,
+        const char *kv[] = {"consumer",   c->consumer,
+                            "queue",      c->queue,
+                            "event_id",   d->ev.event_id[0] ? d->ev.event_id : NULL,
                             "event_type", d->ev.event_type[0] ? d->ev.event_type : NULL,
-                            "code", idemp_dl_code_name(d->dl_code), NULL};
+                            "code",       idemp_dl_code_name(d->dl_code),
+                            NULL};
         idem_log(IDEM_LOG_WARN, LOGC, kv, "dead-lettered to %s: %s", c->dlq, reason);
     }
     d->state = D_ACK;
@@ -473,8 +472,7 @@ static tx_result settle(idem_consumer_t *c, delivery_t **ds, size_t n, bool sing
         /* the server refused a statement of the batch (e.g. a serialization failure) */
         if (!single) {
             const char *kv[] = {"consumer", c->consumer, NULL};
-            idem_log(IDEM_LOG_DEBUG, LOGC, kv, "batch of %zu failed, one by one: %s", n,
-                     err->text);
+            idem_log(IDEM_LOG_DEBUG, LOGC, kv, "batch of %zu failed, one by one: %s", n, err->text);
             return TX_FALLBACK;
         }
         failed = ds[0];
@@ -566,8 +564,7 @@ static tx_result apply(idem_consumer_t *c, delivery_t **ds, size_t n, bool singl
         if (!claimed[i])
             continue;
         delivery_t *d = ds[i];
-        idemp_event_init(&ev, d->ev.event_id, d->ev.event_type, c->consumer, d->ev.payload,
-                         c->pg);
+        idemp_event_init(&ev, d->ev.event_id, d->ev.event_type, c->consumer, d->ev.payload, c->pg);
         outcome = d->handler->fn(&ev, d->handler->userdata);
         if (ev.pg_lost || !idemp_pg_connected(c->pg)) {
             rc = IDEM_ERR_PG_LOST;
@@ -601,8 +598,7 @@ static tx_result apply(idem_consumer_t *c, delivery_t **ds, size_t n, bool singl
             idemp_pg_command(c->pg, "ROLLBACK", &rb);
     }
 
-    tx_result result = settle(c, ds, n, single, claimed, rc, &err, failed, outcome, applied,
-                              dups);
+    tx_result result = settle(c, ds, n, single, claimed, rc, &err, failed, outcome, applied, dups);
     free(claimed);
     return result;
 }
@@ -615,7 +611,8 @@ static int by_subscription(const void *a, const void *b)
     int r = strcmp(x->ev.subscription_id, y->ev.subscription_id);
     if (r != 0)
         return r;
-    return x->env.delivery_tag < y->env.delivery_tag ? -1 : x->env.delivery_tag > y->env.delivery_tag;
+    return x->env.delivery_tag < y->env.delivery_tag ? -1
+                                                     : x->env.delivery_tag > y->env.delivery_tag;
 }
 
 static void hold(idem_consumer_t *c, delivery_t *d)
@@ -665,8 +662,7 @@ static void ack_all(idem_consumer_t *c, delivery_t **ds, size_t n)
     if (rc != IDEM_OK) {
         const char *kv[] = {"consumer", c->consumer, "queue", c->queue, NULL};
         idem_log(IDEM_LOG_WARN, LOGC, kv,
-                 "ack failed (committed work will be redelivered and deduplicated): %s",
-                 err.text);
+                 "ack failed (committed work will be redelivered and deduplicated): %s", err.text);
     }
 }
 
@@ -730,8 +726,8 @@ static void process(idem_consumer_t *c, delivery_t **ds, size_t n)
             snprintf(a, sizeof a, "%llu", (unsigned long long)applied);
             snprintf(b, sizeof b, "%llu", (unsigned long long)dups);
             snprintf(m, sizeof m, "%lld", (long long)(idemp_now_ms() - t0));
-            const char *kv[] = {"consumer", c->consumer, "applied", a, "duplicates", b, "ms", m,
-                                NULL};
+            const char *kv[] = {"consumer", c->consumer, "applied", a,   "duplicates",
+                                b,          "ms",        m,         NULL};
             idem_log(IDEM_LOG_DEBUG, LOGC, kv, "batch committed and acked");
         }
     }

@@ -6,16 +6,8 @@
 #include "uuid.h"
 
 static const char *const dl_names[IDEMP_DL_COUNT] = {
-    "",
-    "malformed_json",
-    "missing_event_id",
-    "invalid_event_id",
-    "unknown_type",
-    "oversized",
-    "invalid_payload",
-    "handler_rejected",
-    "retries_exhausted",
-    "stale",
+    "",          "malformed_json",  "missing_event_id", "invalid_event_id",  "unknown_type",
+    "oversized", "invalid_payload", "handler_rejected", "retries_exhausted", "stale",
 };
 
 const char *idemp_dl_code_name(idemp_dl_code code)
@@ -41,9 +33,9 @@ static void show(idemp_str_t s, char *out, size_t sz)
     out[o] = '\0';
 }
 
-idemp_dl_code idemp_envelope_parse(const idemp_envelope_in_t *in, int64_t max_bytes,
-                                   int64_t now_ms, int64_t window_ms, idemp_envelope_t *out,
-                                   char *detail, size_t detail_sz)
+idemp_dl_code idemp_envelope_parse(const idemp_envelope_in_t *in, int64_t max_bytes, int64_t now_ms,
+                                   int64_t window_ms, idemp_envelope_t *out, char *detail,
+                                   size_t detail_sz)
 {
     char buf[80];
     memset(out, 0, sizeof *out);

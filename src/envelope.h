@@ -47,7 +47,7 @@ typedef struct idemp_envelope_in {
 } idemp_envelope_in_t;
 
 typedef struct idemp_envelope {
-    char event_id[37];        /* lowercase canonical */
+    char event_id[37]; /* lowercase canonical */
     char event_type[256];
     json_t *payload;          /* new reference: a JSON object */
     char subscription_id[37]; /* payload's subscription_id when it is a UUID, else "" */
@@ -57,8 +57,8 @@ typedef struct idemp_envelope {
  * detail receives the reason and out->payload is NULL. now_ms is wall-clock time; a delivery
  * whose timestamp is older than window_ms is stale (no timestamp: never stale). The event type
  * is not checked against handlers here (the caller knows them). */
-idemp_dl_code idemp_envelope_parse(const idemp_envelope_in_t *in, int64_t max_bytes,
-                                   int64_t now_ms, int64_t window_ms, idemp_envelope_t *out,
-                                   char *detail, size_t detail_sz);
+idemp_dl_code idemp_envelope_parse(const idemp_envelope_in_t *in, int64_t max_bytes, int64_t now_ms,
+                                   int64_t window_ms, idemp_envelope_t *out, char *detail,
+                                   size_t detail_sz);
 
 #endif

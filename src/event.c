@@ -7,8 +7,8 @@
 #include "event.h"
 #include "mask.h"
 
-void idemp_event_init(struct idem_event *ev, const char *id, const char *type,
-                      const char *consumer, json_t *payload, idemp_pg_t *pg)
+void idemp_event_init(struct idem_event *ev, const char *id, const char *type, const char *consumer,
+                      json_t *payload, idemp_pg_t *pg)
 {
     memset(ev, 0, sizeof *ev);
     ev->id = id;

@@ -93,10 +93,9 @@ void idem_log(idem_log_level level, const char *component, const char *const *kv
         json_decref(o);
     } else {
         char line[4096];
-        int n = snprintf(line, sizeof line, "%s %-5s %s: %s", ts, level_names[level], component,
-                         msg);
-        for (const char *const *p = kv; p != NULL && p[0] != NULL && n < (int)sizeof line;
-             p += 2) {
+        int n =
+            snprintf(line, sizeof line, "%s %-5s %s: %s", ts, level_names[level], component, msg);
+        for (const char *const *p = kv; p != NULL && p[0] != NULL && n < (int)sizeof line; p += 2) {
             if (p[1] == NULL)
                 continue;
             char val[1024];

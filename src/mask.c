@@ -134,7 +134,8 @@ void idemp_pg_where(const char *conninfo, char *out, size_t outsz)
         host = getenv("PGHOST");
     if (port == NULL)
         port = getenv("PGPORT");
-    snprintf(out, outsz, "%s:%s", host && *host ? host : "localhost", port && *port ? port : "5432");
+    snprintf(out, outsz, "%s:%s", host && *host ? host : "localhost",
+             port && *port ? port : "5432");
     if (opts != NULL)
         PQconninfoFree(opts);
     PQfreemem(errmsg);

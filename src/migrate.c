@@ -19,7 +19,7 @@
 #define MIGRATE_LOCK "SELECT pg_advisory_lock(7650, 1)"
 #define MIGRATE_UNLOCK "SELECT pg_advisory_unlock(7650, 1)"
 #define MIGRATE_BOOTSTRAP                                                                          \
-    "CREATE TABLE IF NOT EXISTS idem_schema_migrations (version text PRIMARY KEY, "               \
+    "CREATE TABLE IF NOT EXISTS idem_schema_migrations (version text PRIMARY KEY, "                \
     "applied_at timestamptz NOT NULL DEFAULT now())"
 #define MIGRATE_APPLIED "SELECT 1 FROM idem_schema_migrations WHERE version = $1"
 #define MIGRATE_RECORD "INSERT INTO idem_schema_migrations (version) VALUES ($1)"

@@ -366,9 +366,8 @@ int idemp_pg_exec(idemp_pg_t *pg, const char *sql, int nparams, const char *cons
     }
     if (pg->pipeline)
         return pipeline_exec(pg, sql, p ? p->name : NULL, nparams, params, out, err);
-    PGresult *res = p != NULL
-                        ? PQexecPrepared(pg->conn, p->name, nparams, params, NULL, NULL, 0)
-                        : PQexecParams(pg->conn, sql, nparams, NULL, params, NULL, NULL, 0);
+    PGresult *res = p != NULL ? PQexecPrepared(pg->conn, p->name, nparams, params, NULL, NULL, 0)
+                              : PQexecParams(pg->conn, sql, nparams, NULL, params, NULL, NULL, 0);
     return check_result(pg->conn, res, sql, out, err);
 }
 

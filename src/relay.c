@@ -31,46 +31,46 @@
  * behind a retrying row of their subscription (so they cannot crowd out other subscriptions);
  * taking the subscription's transaction-level advisory lock is what makes a row a candidate. */
 #define SQL_LOCK_CANDIDATES                                                                        \
-    "SELECT o.outbox_id FROM event_outbox o"                                                     \
-    " WHERE o.status = 'pending' AND o.next_attempt_at <= now()"                                 \
-    "   AND NOT EXISTS (SELECT 1 FROM event_outbox e"                                            \
-    "                    WHERE e.subscription_id = o.subscription_id AND e.status = 'pending'"   \
-    "                      AND e.attempts > 0 AND e.next_attempt_at > now() AND e.seq < o.seq)"  \
-    "   AND pg_try_advisory_xact_lock(7649, hashtext(o.subscription_id::text))"                  \
+    "SELECT o.outbox_id FROM event_outbox o"                                                       \
+    " WHERE o.status = 'pending' AND o.next_attempt_at <= now()"                                   \
+    "   AND NOT EXISTS (SELECT 1 FROM event_outbox e"                                              \
+    "                    WHERE e.subscription_id = o.subscription_id AND e.status = 'pending'"     \
+    "                      AND e.attempts > 0 AND e.next_attempt_at > now() AND e.seq < o.seq)"    \
+    "   AND pg_try_advisory_xact_lock(7649, hashtext(o.subscription_id::text))"                    \
     " ORDER BY o.seq LIMIT $1"
 
 /* Step 2, with a snapshot taken after the locks are held: the candidates still pending and
  * due, minus any row behind an earlier row of its subscription that waits for a retry. Only
  * rows that failed before can wait (attempts > 0): the small event_outbox_retrying index. */
 #define SQL_CLAIM_ROWS                                                                             \
-    "SELECT o.outbox_id, o.event_id, o.subscription_id, o.event_type, o.payload::text,"          \
-    "       o.attempts, extract(epoch FROM o.created_at)::bigint"                                 \
-    "  FROM event_outbox o"                                                                      \
-    " WHERE o.outbox_id = ANY($1::uuid[]) AND o.status = 'pending'"                              \
-    "   AND o.next_attempt_at <= now()"                                                          \
-    "   AND NOT EXISTS (SELECT 1 FROM event_outbox e"                                            \
-    "                    WHERE e.subscription_id = o.subscription_id AND e.status = 'pending'"   \
-    "                      AND e.attempts > 0 AND e.next_attempt_at > now() AND e.seq < o.seq)"  \
-    " ORDER BY o.seq"                                                                            \
+    "SELECT o.outbox_id, o.event_id, o.subscription_id, o.event_type, o.payload::text,"            \
+    "       o.attempts, extract(epoch FROM o.created_at)::bigint"                                  \
+    "  FROM event_outbox o"                                                                        \
+    " WHERE o.outbox_id = ANY($1::uuid[]) AND o.status = 'pending'"                                \
+    "   AND o.next_attempt_at <= now()"                                                            \
+    "   AND NOT EXISTS (SELECT 1 FROM event_outbox e"                                              \
+    "                    WHERE e.subscription_id = o.subscription_id AND e.status = 'pending'"     \
+    "                      AND e.attempts > 0 AND e.next_attempt_at > now() AND e.seq < o.seq)"    \
+    " ORDER BY o.seq"                                                                              \
     "   FOR UPDATE OF o SKIP LOCKED"
 
 #define SQL_MARK_SENT                                                                              \
-    "UPDATE event_outbox SET status = 'sent', sent_at = now()"                                   \
+    "UPDATE event_outbox SET status = 'sent', sent_at = now()"                                     \
     " WHERE outbox_id = ANY($1::uuid[]) AND status = 'pending'"
 
 /* A nack or return spends one attempt; the row waits base * 2^attempts (capped) or parks. */
 #define SQL_MARK_FAILED                                                                            \
-    "UPDATE event_outbox o"                                                                      \
-    "   SET attempts = o.attempts + 1, last_error = f.err,"                                      \
-    "       status = CASE WHEN o.attempts + 1 >= $2::int THEN 'failed' ELSE 'pending' END,"      \
-    "       next_attempt_at = now() + LEAST($4::float8, $3::float8 * power(2::float8,"           \
-    "                         LEAST(o.attempts, 60))) * interval '1 millisecond'"                \
-    "  FROM unnest($1::uuid[], $5::text[]) AS f(id, err)"                                        \
-    " WHERE o.outbox_id = f.id"                                                                  \
+    "UPDATE event_outbox o"                                                                        \
+    "   SET attempts = o.attempts + 1, last_error = f.err,"                                        \
+    "       status = CASE WHEN o.attempts + 1 >= $2::int THEN 'failed' ELSE 'pending' END,"        \
+    "       next_attempt_at = now() + LEAST($4::float8, $3::float8 * power(2::float8,"             \
+    "                         LEAST(o.attempts, 60))) * interval '1 millisecond'"                  \
+    "  FROM unnest($1::uuid[], $5::text[]) AS f(id, err)"                                          \
+    " WHERE o.outbox_id = f.id"                                                                    \
     " RETURNING o.outbox_id, o.event_id, o.status, o.attempts"
 
 #define SQL_OLDEST_PENDING                                                                         \
-    "SELECT extract(epoch FROM now() - created_at) FROM event_outbox"                            \
+    "SELECT extract(epoch FROM now() - created_at) FROM event_outbox"                              \
     " WHERE status = 'pending' ORDER BY seq LIMIT 1"
 
 enum rstate { R_SENT_WAIT, R_ACKED, R_NACKED, R_RETURNED };
@@ -92,7 +92,7 @@ typedef struct slot {
     size_t n;
     PGresult *res; /* owns the rows' strings while in flight */
     uint64_t last_tag;
-    bool inflight; /* transaction open, batch published, confirms pending */
+    bool inflight;  /* transaction open, batch published, confirms pending */
     uint64_t order; /* claim order, to settle the oldest first */
     int64_t t0, t_claim, t_pub;
 } slot_t;
@@ -229,8 +229,8 @@ static int ensure_connected(idem_relay_t *r, idem_error_t *err)
             idemp_metrics_reconnect(r->metrics, IDEMP_SERVER_POSTGRES);
         int rc = IDEM_OK;
         for (int i = 0; i < NSLOTS && rc == IDEM_OK; i++)
-            rc = idemp_pg_connected(r->slots[i].pg) ? IDEM_OK
-                                                     : idemp_pg_connect(r->slots[i].pg, &e);
+            rc =
+                idemp_pg_connected(r->slots[i].pg) ? IDEM_OK : idemp_pg_connect(r->slots[i].pg, &e);
         if (rc == IDEM_OK && !r->cfg.once)
             rc = idemp_pg_command(r->pg, "LISTEN idem_outbox", &e);
         if (rc == IDEM_OK) {
@@ -256,8 +256,7 @@ static int ensure_connected(idem_relay_t *r, idem_error_t *err)
         if (rc == IDEM_OK) {
             idemp_backoff_reset(&r->amqp_backoff);
             r->amqp_was_up = true;
-            const char *kv[] = {"server", idemp_amqp_where(r->amqp), "exchange", r->exchange,
-                                NULL};
+            const char *kv[] = {"server", idemp_amqp_where(r->amqp), "exchange", r->exchange, NULL};
             idem_log(r->cfg.once ? IDEM_LOG_DEBUG : IDEM_LOG_INFO, LOGC, kv,
                      "connected to RabbitMQ, publishing with confirms");
         } else {
@@ -340,8 +339,8 @@ static int publish_row(idem_relay_t *r, row_t *row, idem_error_t *err)
     amqp_basic_properties_t props;
     memset(&props, 0, sizeof props);
     props._flags = AMQP_BASIC_CONTENT_TYPE_FLAG | AMQP_BASIC_DELIVERY_MODE_FLAG |
-                   AMQP_BASIC_MESSAGE_ID_FLAG | AMQP_BASIC_TYPE_FLAG |
-                   AMQP_BASIC_TIMESTAMP_FLAG | AMQP_BASIC_HEADERS_FLAG;
+                   AMQP_BASIC_MESSAGE_ID_FLAG | AMQP_BASIC_TYPE_FLAG | AMQP_BASIC_TIMESTAMP_FLAG |
+                   AMQP_BASIC_HEADERS_FLAG;
     props.content_type = amqp_cstring_bytes("application/json");
     props.delivery_mode = 2;
     props.message_id = amqp_cstring_bytes(row->event_id);
@@ -412,14 +411,14 @@ static int settle_rows(idem_relay_t *r, slot_t *sl, uint64_t *sent, idem_error_t
             for (int i = 0; rc == IDEM_OK && i < PQntuples(res); i++) {
                 const char *status = PQgetvalue(res, i, 2);
                 bool parked = strcmp(status, "failed") == 0;
-                const char *kv[] = {"outbox_id", PQgetvalue(res, i, 0),
-                                    "event_id", PQgetvalue(res, i, 1),
-                                    "attempts", PQgetvalue(res, i, 3), NULL};
+                const char *kv[] = {
+                    "outbox_id", PQgetvalue(res, i, 0), "event_id", PQgetvalue(res, i, 1),
+                    "attempts",  PQgetvalue(res, i, 3), NULL};
                 const char *why = "";
                 for (size_t j = 0; j < n; j++)
                     if (strcmp(sl->rows[j].outbox_id, PQgetvalue(res, i, 0)) == 0)
                         why = sl->rows[j].state == R_RETURNED ? "returned as unroutable"
-                                                             : "nacked by the broker";
+                                                              : "nacked by the broker";
                 if (parked) {
                     r->stats.parked++;
                     idemp_metrics_add(r->metrics, IDEMP_M_RELAY_PARKED, 1);
@@ -571,8 +570,8 @@ static int settle_commit(idem_relay_t *r, slot_t *sl, idem_error_t *err)
         snprintf(c1, sizeof c1, "%lld", (long long)(sl->t_claim - sl->t0));
         snprintf(d, sizeof d, "%lld", (long long)(t_conf - sl->t_claim));
         snprintf(e, sizeof e, "%lld", (long long)(idemp_now_ms() - t_conf));
-        const char *kv[] = {"claimed", a, "sent", b, "claim_ms", c1, "confirm_ms", d,
-                            "mark_commit_ms", e, NULL};
+        const char *kv[] = {"claimed",    a, "sent",           b, "claim_ms", c1,
+                            "confirm_ms", d, "mark_commit_ms", e, NULL};
         idem_log(IDEM_LOG_DEBUG, LOGC, kv, "batch committed");
     }
     return IDEM_OK;

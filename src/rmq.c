@@ -372,8 +372,7 @@ int idemp_amqp_publish(idemp_amqp_t *a, const char *exchange, const char *routin
                        size_t len, uint64_t *tag, idem_error_t *err)
 {
     if (!a->connected)
-        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s",
-                              a->where);
+        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s", a->where);
     amqp_bytes_t b = {len, (void *)body};
     int rc = amqp_basic_publish(a->conn, CHANNEL, amqp_cstring_bytes(exchange),
                                 amqp_cstring_bytes(routing_key), mandatory, 0, props, b);
@@ -514,12 +513,10 @@ int idemp_amqp_wait_confirms(idemp_amqp_t *a, uint64_t last_tag, int64_t timeout
     return IDEM_OK;
 }
 
-int idemp_amqp_next(idemp_amqp_t *a, amqp_envelope_t *env, int64_t timeout_ms,
-                    idem_error_t *err)
+int idemp_amqp_next(idemp_amqp_t *a, amqp_envelope_t *env, int64_t timeout_ms, idem_error_t *err)
 {
     if (!a->connected)
-        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s",
-                              a->where);
+        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s", a->where);
     amqp_maybe_release_buffers(a->conn);
     struct timeval tv = {timeout_ms / 1000, (timeout_ms % 1000) * 1000};
     amqp_rpc_reply_t r = amqp_consume_message(a->conn, env, &tv, 0);
@@ -562,8 +559,7 @@ bool idemp_amqp_buffered(idemp_amqp_t *a)
 int idemp_amqp_ack(idemp_amqp_t *a, uint64_t tag, bool multiple, idem_error_t *err)
 {
     if (!a->connected)
-        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s",
-                              a->where);
+        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s", a->where);
     int rc = amqp_basic_ack(a->conn, CHANNEL, tag, multiple);
     if (rc != AMQP_STATUS_OK) {
         a->connected = false;

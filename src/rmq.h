@@ -66,8 +66,7 @@ int idemp_amqp_wait_confirms(idemp_amqp_t *a, uint64_t last_tag, int64_t timeout
 
 /* Next delivery into env (caller destroys with amqp_destroy_envelope), waiting up to timeout_ms
  * (0 = only what is already there). IDEM_ERR_TIMEOUT when none arrived. */
-int idemp_amqp_next(idemp_amqp_t *a, amqp_envelope_t *env, int64_t timeout_ms,
-                    idem_error_t *err);
+int idemp_amqp_next(idemp_amqp_t *a, amqp_envelope_t *env, int64_t timeout_ms, idem_error_t *err);
 bool idemp_amqp_buffered(idemp_amqp_t *a);
 int idemp_amqp_ack(idemp_amqp_t *a, uint64_t tag, bool multiple, idem_error_t *err);
 

@@ -21,19 +21,19 @@ extern "C" {
 typedef struct idem_consumer idem_consumer_t;
 
 typedef struct idem_consumer_config {
-    const char *consumer;       /* ledger name, required */
-    const char *queue;          /* durable quorum queue, required; its DLQ is "<queue>.dlq" */
-    const char *pg_conninfo;    /* libpq conninfo or URI; "" = PG* defaults */
-    const char *amqp_url;       /* amqp://user:pass@host:port/vhost */
-    const char *exchange;       /* durable topic exchange, default "billing.events" */
-    const char *const *binds;   /* NULL-terminated routing keys; NULL = registered event types */
-    int prefetch;               /* default 200 */
-    int batch_max;              /* deliveries per transaction, default 100 */
-    int64_t linger_ms;          /* wait for batch-mates after the first delivery, default 2 */
-    int64_t dedup_window_ms;    /* older deliveries are dead-lettered as stale; default 30d */
-    int64_t max_message_bytes;  /* default 1048576 */
-    int max_retries;            /* tries = max_retries + 1; default 5 */
-    int metrics_port;           /* 0 = no metrics endpoint */
+    const char *consumer;        /* ledger name, required */
+    const char *queue;           /* durable quorum queue, required; its DLQ is "<queue>.dlq" */
+    const char *pg_conninfo;     /* libpq conninfo or URI; "" = PG* defaults */
+    const char *amqp_url;        /* amqp://user:pass@host:port/vhost */
+    const char *exchange;        /* durable topic exchange, default "billing.events" */
+    const char *const *binds;    /* NULL-terminated routing keys; NULL = registered event types */
+    int prefetch;                /* default 200 */
+    int batch_max;               /* deliveries per transaction, default 100 */
+    int64_t linger_ms;           /* wait for batch-mates after the first delivery, default 2 */
+    int64_t dedup_window_ms;     /* older deliveries are dead-lettered as stale; default 30d */
+    int64_t max_message_bytes;   /* default 1048576 */
+    int max_retries;             /* tries = max_retries + 1; default 5 */
+    int metrics_port;            /* 0 = no metrics endpoint */
     volatile sig_atomic_t *stop; /* optional: the loop finishes its batch and returns when *stop */
 } idem_consumer_config_t;
 

@@ -16,16 +16,16 @@ extern "C" {
 typedef struct idem_event idem_event_t; /* borrowed by the handler for the call only */
 
 typedef enum idem_outcome {
-    IDEM_DONE = 0,    /* effects applied; commit and ack */
-    IDEM_RETRY,       /* transient failure: no effect, try again later (bounded by max-retries) */
-    IDEM_REJECT,      /* permanent failure: dead-letter as handler_rejected */
-    IDEM_INVALID,     /* the payload is unusable: dead-letter as invalid_payload, never retried */
+    IDEM_DONE = 0, /* effects applied; commit and ack */
+    IDEM_RETRY,    /* transient failure: no effect, try again later (bounded by max-retries) */
+    IDEM_REJECT,   /* permanent failure: dead-letter as handler_rejected */
+    IDEM_INVALID,  /* the payload is unusable: dead-letter as invalid_payload, never retried */
 } idem_outcome;
 
 typedef idem_outcome (*idem_handler_fn)(idem_event_t *ev, void *userdata);
 
 /* Accessors; strings and the payload are borrowed and live until the handler returns. */
-const char *idem_event_id(const idem_event_t *ev);       /* lowercase canonical UUID */
+const char *idem_event_id(const idem_event_t *ev); /* lowercase canonical UUID */
 const char *idem_event_type(const idem_event_t *ev);
 const char *idem_event_consumer(const idem_event_t *ev); /* the consumer name */
 json_t *idem_event_payload(const idem_event_t *ev);      /* a JSON object, borrowed */

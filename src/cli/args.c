@@ -73,8 +73,8 @@ static const cli_opt_t global_help[] = {
      "PostgreSQL conninfo or URI", 0, 0},
     {"--amqp", OPT_STRING, NULL, "URL", "$IDEM_AMQP_URL or amqp://guest:guest@127.0.0.1:5672",
      "RabbitMQ URL", 0, 0},
-    {"--exchange", OPT_STRING, NULL, "NAME", "$IDEM_EXCHANGE or billing.events",
-     "topic exchange", 0, 0},
+    {"--exchange", OPT_STRING, NULL, "NAME", "$IDEM_EXCHANGE or billing.events", "topic exchange",
+     0, 0},
     {"--log-level", OPT_STRING, NULL, "LEVEL", "info", "debug|info|warn|error", 0, 0},
     {"--log-format", OPT_STRING, NULL, "FORMAT", "text", "text|json", 0, 0},
     {0},
@@ -138,9 +138,9 @@ static int set_value(const char *cmd, const cli_opt_t *o, const char *val)
     case OPT_DURATION:
     case OPT_DURATION_MS:
         if (idem_duration_parse(val, o->kind == OPT_DURATION_MS, (int64_t *)o->dest) != 0)
-            return cli_usage_error(cmd, "%s: '%s' is not a duration (an integer with a unit: %s)",
-                                   o->name, val, o->kind == OPT_DURATION_MS ? "ms, s, m, h or d"
-                                                                            : "s, m, h or d");
+            return cli_usage_error(
+                cmd, "%s: '%s' is not a duration (an integer with a unit: %s)", o->name, val,
+                o->kind == OPT_DURATION_MS ? "ms, s, m, h or d" : "s, m, h or d");
         return 0;
     }
     return 0;

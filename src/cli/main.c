@@ -27,9 +27,10 @@ static const command_t commands[] = {
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: idem [GLOBAL FLAGS] COMMAND [FLAGS]\n\n"
-               "idem %s - billing events applied exactly once in effect, on PostgreSQL and "
-               "RabbitMQ\n\ncommands:\n",
+    fprintf(f,
+            "usage: idem [GLOBAL FLAGS] COMMAND [FLAGS]\n\n"
+            "idem %s - billing events applied exactly once in effect, on PostgreSQL and "
+            "RabbitMQ\n\ncommands:\n",
             IDEM_VERSION);
     for (const command_t *c = commands; c->name; c++)
         fprintf(f, "  %-9s %s\n", c->name, c->summary);
