@@ -77,7 +77,7 @@ UNIT_BINS := $(UNIT_TESTS:%=$(BUILD)/%)
 
 .PHONY: all test check unit integration bench demo install format format-check clean deps
 
-all: $(BUILD)/idem $(BUILD)/libidem.a $(BUILD)/libidem.so $(BUILD)/idem.pc
+all: $(BUILD)/idem $(BUILD)/libidem.a $(BUILD)/libidem.so
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -92,9 +92,6 @@ $(BUILD)/libidem.so: $(LIB_OBJS)
 
 $(BUILD)/idem: $(CLI_OBJS) $(HANDLER_OBJS) $(BUILD)/libidem.a
 	$(CC) -o $@ $(CLI_OBJS) $(HANDLER_OBJS) $(BUILD)/libidem.a $(LDSAN) $(LDLIBS_ALL)
-
-$(BUILD)/idem.pc: idem.pc.in
-	sed -e 's|@PREFIX@|$(PREFIX)|g' $< > $@
 
 $(BUILD)/tests/unit/%: tests/unit/%.c $(HANDLER_OBJS) $(CLI_OBJS) $(BUILD)/libidem.a
 	@mkdir -p $(dir $@)
@@ -135,7 +132,7 @@ install: all
 	install -m755 $(BUILD)/libidem.so $(DESTDIR)$(PREFIX)/lib/libidem.so
 	install -m644 include/idem/*.h $(DESTDIR)$(PREFIX)/include/idem/
 	install -m644 sql/*.sql $(DESTDIR)$(PREFIX)/share/idem/sql/
-	install -m644 $(BUILD)/idem.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig/idem.pc
+	sed -e 's|@PREFIX@|$(PREFIX)|g' idem.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/idem.pc
 
 FORMAT_FILES = $(wildcard src/*.c src/*.h src/cli/*.c src/cli/*.h include/idem/*.h \
 	handlers/*.c handlers/*.h tests/unit/*.c bench/*.c)
