@@ -26,11 +26,11 @@ struct idemp_metrics {
     idemp_role role;
     _Atomic uint64_t counters[IDEMP_M_COUNT];
     _Atomic uint64_t dead_letters[IDEMP_DL_COUNT];
-    _Atomic uint64_t reconnects[2];          /* by idemp_server */
-    _Atomic uint64_t buckets[NBUCKETS + 1];  /* per bucket (not cumulative); last = +Inf */
-    _Atomic uint64_t duration_sum_ns;        /* ns: integer atomics add without a CAS loop */
+    _Atomic uint64_t reconnects[2];         /* by idemp_server */
+    _Atomic uint64_t buckets[NBUCKETS + 1]; /* per bucket (not cumulative); last = +Inf */
+    _Atomic uint64_t duration_sum_ns;       /* ns: integer atomics add without a CAS loop */
     _Atomic uint64_t duration_count;
-    _Atomic int64_t oldest_pending_us;       /* < 0: no pending rows */
+    _Atomic int64_t oldest_pending_us; /* < 0: no pending rows */
     struct MHD_Daemon *daemon;
 };
 
@@ -134,8 +134,7 @@ static void render(idemp_metrics_t *m, FILE *f)
         counter(f, "idem_relay_publish_failures_total",
                 "Publishes that were returned, nacked or failed.",
                 ld(&m->counters[IDEMP_M_RELAY_PUBLISH_FAILURES]));
-        counter(f, "idem_relay_parked_total",
-                "Outbox rows marked failed after their last attempt.",
+        counter(f, "idem_relay_parked_total", "Outbox rows marked failed after their last attempt.",
                 ld(&m->counters[IDEMP_M_RELAY_PARKED]));
         int64_t us = atomic_load_explicit(&m->oldest_pending_us, memory_order_relaxed);
         fprintf(f,
@@ -190,8 +189,7 @@ static void render(idemp_metrics_t *m, FILE *f)
 static enum MHD_Result reply(struct MHD_Connection *conn, unsigned int status, const char *ctype,
                              char *body, size_t len)
 {
-    struct MHD_Response *r =
-        MHD_create_response_from_buffer(len, body, MHD_RESPMEM_MUST_COPY);
+    struct MHD_Response *r = MHD_create_response_from_buffer(len, body, MHD_RESPMEM_MUST_COPY);
     if (r == NULL)
         return MHD_NO;
     MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
@@ -201,9 +199,8 @@ static enum MHD_Result reply(struct MHD_Connection *conn, unsigned int status, c
 }
 
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url,
-                                  const char *method, const char *version,
-                                  const char *upload_data, size_t *upload_data_size,
-                                  void **con_cls)
+                                  const char *method, const char *version, const char *upload_data,
+                                  size_t *upload_data_size, void **con_cls)
 {
     idemp_metrics_t *m = cls;
     static char not_found[] = "not found; try /metrics\n";
@@ -235,17 +232,20 @@ int idemp_metrics_serve(idemp_metrics_t *m, int port, idem_error_t *err)
     if (m == NULL || port == 0)
         return IDEM_OK;
     if (port < 0 || port > 65535)
-        return idem_error_set(err, IDEM_ERR_INVALID, "cannot serve metrics on port %d: not a "
-                                                     "TCP port", port);
+        return idem_error_set(err, IDEM_ERR_INVALID,
+                              "cannot serve metrics on port %d: not a "
+                              "TCP port",
+                              port);
     if (m->daemon != NULL)
         return idem_error_set(err, IDEM_ERR_INVALID, "metrics are already being served");
-    /* All interfaces, not 127.0.0.1: Prometheus usually scrapes from another host. The endpoint
-     * is read-only and carries counters only. We bind the socket ourselves so that a port in
-     * use is reported with the kernel's own reason (MHD_start_daemon only returns NULL). */
+    /* All IPv4 interfaces, not 127.0.0.1: Prometheus usually scrapes from another host, and the
+     * endpoint is read-only and carries counters only (firewall the port if that is unwanted).
+     * We bind the socket ourselves so that a port in use is reported with the kernel's own
+     * reason (MHD_start_daemon only returns NULL). */
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0)
-        return idem_error_set(err, IDEM_ERR_IO, "cannot serve metrics on port %d: socket: %s",
-                              port, strerror(errno));
+        return idem_error_set(err, IDEM_ERR_IO, "cannot serve metrics on port %d: socket: %s", port,
+                              strerror(errno));
     int one = 1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one); /* restart over TIME_WAIT */
     struct sockaddr_in sa;
@@ -261,8 +261,7 @@ int idemp_metrics_serve(idemp_metrics_t *m, int port, idem_error_t *err)
     }
     m->daemon = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD, (uint16_t)port, NULL, NULL,
                                  on_request, m, MHD_OPTION_LISTEN_SOCKET, fd,
-                                 MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)10,
-                                 MHD_OPTION_END);
+                                 MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)10, MHD_OPTION_END);
     if (m->daemon == NULL) {
         close(fd);
         return idem_error_set(err, IDEM_ERR_IO,

@@ -13,10 +13,10 @@
 #include "pg.h"
 
 /* $1 = dedup window in ms; $2 = event id (the single-row form). last_error is kept. */
-#define REPLAY_SET                                                                               \
+#define REPLAY_SET                                                                                 \
     "UPDATE event_outbox SET status = 'pending', attempts = 0, next_attempt_at = now() "
-#define REPLAY_RET                                                                               \
-    " RETURNING created_at < now() - $1::bigint * interval '1 millisecond', "                    \
+#define REPLAY_RET                                                                                 \
+    " RETURNING created_at < now() - $1::bigint * interval '1 millisecond', "                      \
     "to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')"
 #define REPLAY_ONE REPLAY_SET "WHERE status = 'failed' AND event_id = $2::uuid" REPLAY_RET
 #define REPLAY_ALL REPLAY_SET "WHERE status = 'failed'" REPLAY_RET
@@ -52,8 +52,8 @@ static int not_failed(PGconn *conn, const char *event_id, idem_error_t *err)
         rc = idem_error_set(err, IDEM_ERR_NOT_FOUND, "event %s is not in the outbox", event_id);
     else
         rc = idem_error_set(err, IDEM_ERR_NOT_FOUND,
-                            "event %s is %s, not failed; only failed rows are replayed",
-                            event_id, PQgetvalue(r, 0, 0));
+                            "event %s is %s, not failed; only failed rows are replayed", event_id,
+                            PQgetvalue(r, 0, 0));
     PQclear(r);
     return rc;
 }

@@ -21,19 +21,19 @@
 
 /* Both cutoffs are fixed once per run: rows that age past the window while the run goes on
  * wait for the next run, and the loops are bounded by what existed at the start. */
-#define RETAIN_CUTOFFS                                                                           \
-    "SELECT (now() - $1::bigint * interval '1 millisecond')::text, "                             \
+#define RETAIN_CUTOFFS                                                                             \
+    "SELECT (now() - $1::bigint * interval '1 millisecond')::text, "                               \
     "(now() - $2::bigint * interval '1 millisecond')::text"
 
-#define RETAIN_OUTBOX                                                                            \
-    "DELETE FROM event_outbox WHERE status = 'sent' AND outbox_id IN ("                          \
-    "SELECT outbox_id FROM event_outbox WHERE status = 'sent' AND sent_at < $1::timestamptz "    \
+#define RETAIN_OUTBOX                                                                              \
+    "DELETE FROM event_outbox WHERE status = 'sent' AND outbox_id IN ("                            \
+    "SELECT outbox_id FROM event_outbox WHERE status = 'sent' AND sent_at < $1::timestamptz "      \
     "ORDER BY sent_at LIMIT $2::int FOR UPDATE SKIP LOCKED)"
 
 /* ctid: a TID scan over exactly the rows the subquery locked, no second index lookup. */
-#define RETAIN_LEDGER                                                                            \
-    "DELETE FROM consumed_events WHERE ctid = ANY(ARRAY("                                        \
-    "SELECT ctid FROM consumed_events WHERE consumed_at < $1::timestamptz "                      \
+#define RETAIN_LEDGER                                                                              \
+    "DELETE FROM consumed_events WHERE ctid = ANY(ARRAY("                                          \
+    "SELECT ctid FROM consumed_events WHERE consumed_at < $1::timestamptz "                        \
     "ORDER BY consumed_at LIMIT $2::int FOR UPDATE SKIP LOCKED))"
 
 void idem_retain_config_init(idem_retain_config_t *cfg)

@@ -13,19 +13,20 @@
 
 /* Types with pending or failed rows. Ages are in seconds with millisecond precision (NULL when a
  * type has no pending row; greatest() would turn that NULL into 0). */
-#define STATUS_TYPES                                                                             \
-    "SELECT event_type, count(*) FILTER (WHERE status = 'pending'), "                            \
-    "round(extract(epoch FROM now() - min(created_at) "                                          \
-    "FILTER (WHERE status = 'pending'))::numeric, 3), "                                          \
-    "count(*) FILTER (WHERE status = 'failed') "                                                 \
-    "FROM event_outbox WHERE status IN ('pending', 'failed') "                                   \
+#define STATUS_TYPES                                                                               \
+    "SELECT event_type, count(*) FILTER (WHERE status = 'pending'), "                              \
+    "round(extract(epoch FROM now() - min(created_at) "                                            \
+    "FILTER (WHERE status = 'pending'))::numeric, 3), "                                            \
+    "count(*) FILTER (WHERE status = 'failed') "                                                   \
+    "FROM event_outbox WHERE status IN ('pending', 'failed') "                                     \
     "GROUP BY event_type ORDER BY event_type"
 
 #define STATUS_LEDGER "SELECT count(*), " RFC3339("min(consumed_at)") " FROM consumed_events"
 
-#define FAILED_LIST                                                                              \
-    "SELECT event_id, outbox_id, event_type, subscription_id, attempts, " RFC3339("created_at")  \
-    ", last_error FROM event_outbox WHERE status = 'failed' ORDER BY created_at, seq"
+#define FAILED_LIST                                                                                \
+    "SELECT event_id, outbox_id, event_type, subscription_id, attempts, " RFC3339(                 \
+        "created_at") ", last_error FROM event_outbox WHERE status = 'failed' ORDER BY "           \
+                      "created_at, seq"
 
 static json_t *int_or_null(const PGresult *r, int row, int col)
 {
@@ -140,9 +141,8 @@ int idem_failed_list(PGconn *conn, json_t **out, idem_error_t *err)
         return rc;
     json_t *list = json_array();
     int ok = list != NULL;
-    static const char *const keys[] = {"event_id",        "outbox_id", "event_type",
-                                       "subscription_id", "attempts",  "created_at",
-                                       "last_error"};
+    static const char *const keys[] = {"event_id", "outbox_id",  "event_type", "subscription_id",
+                                       "attempts", "created_at", "last_error"};
     for (int i = 0; i < PQntuples(r) && ok; i++) {
         json_t *row = json_object();
         if (row == NULL || json_array_append_new(list, row) != 0) {

@@ -39,6 +39,9 @@ typedef struct idem_retain_result {
 } idem_retain_result_t;
 
 void idem_retain_config_init(idem_retain_config_t *cfg);
+/* Runs one retention pass. Another run holding the lock (advisory lock 7651, 1): res->skipped,
+ * returns 0. Stopped through cfg->stop between batches: IDEM_ERR_INTERRUPTED with the counts of
+ * what was deleted so far in res. */
 /* IDEM_ERR_REFUSED when the windows break the rule above without force. */
 int idem_retain_check(const idem_retain_config_t *cfg, idem_error_t *err);
 int idem_retain_run(PGconn *conn, const idem_retain_config_t *cfg, idem_retain_result_t *res,

@@ -105,8 +105,7 @@ int cmd_status(int argc, char **argv, cli_global_t *g)
     json_t *oldest = json_object_get(json_object_get(doc, "totals"), "oldest_pending_seconds");
     if (max_age_ms >= 0 && json_is_number(oldest) &&
         json_number_value(oldest) * 1000.0 > (double)max_age_ms) {
-        fprintf(stderr,
-                "idem status: oldest pending row is %.1fs old, over --max-age %.0fs\n",
+        fprintf(stderr, "idem status: oldest pending row is %.1fs old, over --max-age %.0fs\n",
                 json_number_value(oldest), (double)max_age_ms / 1000.0);
         exit_code = STATUS_EXIT_THRESHOLD;
     }
@@ -245,8 +244,8 @@ int cmd_retain(int argc, char **argv, cli_global_t *g)
     }
     printf("event_outbox: deleted %" PRId64 " rows in %" PRId64 " batches\n", res.outbox_deleted,
            res.outbox_batches);
-    printf("consumed_events: deleted %" PRId64 " rows in %" PRId64 " batches\n",
-           res.ledger_deleted, res.ledger_batches);
+    printf("consumed_events: deleted %" PRId64 " rows in %" PRId64 " batches\n", res.ledger_deleted,
+           res.ledger_batches);
     if (rc == IDEM_ERR_INTERRUPTED)
         fprintf(stderr, "idem retain: interrupted; stopped between batches (run again to "
                         "finish)\n");

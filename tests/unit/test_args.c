@@ -105,7 +105,7 @@ static void test_durations_without_unit_or_bad(void **state)
 {
     (void)state;
     F.window_ms = 123;
-    assert_int_equal(parse("--window", "30", NULL), CLI_EXIT_USAGE); /* unit required */
+    assert_int_equal(parse("--window", "30", NULL), CLI_EXIT_USAGE);    /* unit required */
     assert_int_equal(parse("--window", "200ms", NULL), CLI_EXIT_USAGE); /* ms not here */
     assert_int_equal(parse("--window", "", NULL), CLI_EXIT_USAGE);
     assert_int_equal(parse("--window", "d", NULL), CLI_EXIT_USAGE);
@@ -198,9 +198,8 @@ static void test_value_may_start_with_dashes(void **state)
 static void test_lists(void **state)
 {
     (void)state;
-    assert_int_equal(parse("--bind", "invoice.paid", "--bind=payment.failed", "--bind", "a.#",
-                           NULL),
-                     0);
+    assert_int_equal(
+        parse("--bind", "invoice.paid", "--bind=payment.failed", "--bind", "a.#", NULL), 0);
     assert_int_equal(F.binds.n, 3);
     assert_string_equal(F.binds.items[0], "invoice.paid");
     assert_string_equal(F.binds.items[1], "payment.failed");
