@@ -89,7 +89,8 @@ int idem_retain_check(const idem_retain_config_t *cfg, idem_error_t *err)
 
 /* Runs one DELETE statement repeatedly until it removes fewer than batch rows. */
 static int delete_loop(PGconn *conn, const char *sql, const char *cutoff, int batch,
-                       volatile int *stop, int64_t *deleted, int64_t *batches, idem_error_t *err)
+                       volatile sig_atomic_t *stop, int64_t *deleted, int64_t *batches,
+                       idem_error_t *err)
 {
     char limit[16];
     snprintf(limit, sizeof limit, "%d", batch);

@@ -5,6 +5,7 @@
 #ifndef IDEM_OPS_H
 #define IDEM_OPS_H
 
+#include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -25,11 +26,11 @@ extern "C" {
 int idem_migrate(PGconn *conn, const char *sql_dir, FILE *out, int *applied, idem_error_t *err);
 
 typedef struct idem_retain_config {
-    int64_t outbox_keep_ms;  /* sent outbox rows older than this (by sent_at) go; default 7d */
-    int64_t dedup_window_ms; /* ledger rows older than this (by consumed_at) go; default 30d */
-    int batch;               /* rows per DELETE statement (own transaction); default 5000 */
-    bool force;              /* allow a dedup window shorter than the outbox window or 1d */
-    volatile int *stop;      /* optional: stop between batches */
+    int64_t outbox_keep_ms;      /* sent outbox rows older than this (by sent_at) go; default 7d */
+    int64_t dedup_window_ms;     /* ledger rows older than this (by consumed_at) go; default 30d */
+    int batch;                   /* rows per DELETE statement (own transaction); default 5000 */
+    bool force;                  /* allow a dedup window shorter than the outbox window or 1d */
+    volatile sig_atomic_t *stop; /* optional: stop between batches */
 } idem_retain_config_t;
 
 typedef struct idem_retain_result {
