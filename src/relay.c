@@ -73,13 +73,17 @@
     "SELECT extract(epoch FROM now() - created_at) FROM event_outbox"                              \
     " WHERE status = 'pending' ORDER BY seq LIMIT 1"
 
-enum rstate { R_SENT_WAIT, R_ACKED, R_NACKED, R_RETURNED };
+/* R_UNSENT: claimed, waiting for the confirm of its subscription's previous row in the batch;
+ * R_HELD: not published because an earlier row of its subscription failed (it stays pending and
+ * waits behind that row's retry). */
+enum rstate { R_UNSENT, R_SENT_WAIT, R_ACKED, R_NACKED, R_RETURNED, R_HELD };
 
 typedef struct row {
     char outbox_id[37], event_id[37], subscription_id[37];
     const char *event_type, *payload; /* borrowed from the claim result */
     int64_t created_s;
     uint64_t tag;
+    int prev; /* index of the previous row of the same subscription in the batch, or -1 */
     enum rstate state;
 } row_t;
 
@@ -460,6 +464,34 @@ static void abort_all(idem_relay_t *r)
     }
 }
 
+/* Publishes every row whose subscription has no earlier row in the batch still unconfirmed;
+ * a row behind a failed (or held) row is held. Rows of distinct subscriptions all go in the
+ * first wave; a subscription's next row goes only once the broker has confirmed its previous
+ * one, so a returned or nacked event is never overtaken by a later event of its subscription. */
+static int publish_wave(idem_relay_t *r, slot_t *sl, size_t *published, idem_error_t *err)
+{
+    *published = 0;
+    for (size_t i = 0; i < sl->n; i++) {
+        row_t *row = &sl->rows[i];
+        if (row->state != R_UNSENT)
+            continue;
+        enum rstate before = row->prev < 0 ? R_ACKED : sl->rows[row->prev].state;
+        if (before == R_UNSENT || before == R_SENT_WAIT)
+            continue; /* next wave */
+        if (before != R_ACKED) {
+            row->state = R_HELD;
+            continue;
+        }
+        int rc = publish_row(r, row, err);
+        if (rc != IDEM_OK)
+            return rc;
+        row->state = R_SENT_WAIT;
+        sl->last_tag = row->tag;
+        (*published)++;
+    }
+    return IDEM_OK;
+}
+
 /* Claims a batch into sl and publishes it (confirms still pending). *claimed = rows claimed. */
 static int claim_publish(idem_relay_t *r, slot_t *sl, size_t *claimed, idem_error_t *err)
 {
@@ -514,7 +546,13 @@ static int claim_publish(idem_relay_t *r, slot_t *sl, size_t *claimed, idem_erro
         row->event_type = PQgetvalue(res, (int)i, 3);
         row->payload = PQgetvalue(res, (int)i, 4);
         row->created_s = strtoll(PQgetvalue(res, (int)i, 6), NULL, 10);
-        row->state = R_SENT_WAIT;
+        row->state = R_UNSENT;
+        row->prev = -1;
+        for (size_t j = i; j-- > 0;)
+            if (memcmp(sl->rows[j].subscription_id, row->subscription_id, 36) == 0) {
+                row->prev = (int)j;
+                break;
+            }
     }
     sl->res = res;
     sl->n = n;
@@ -524,10 +562,9 @@ static int claim_publish(idem_relay_t *r, slot_t *sl, size_t *claimed, idem_erro
     if (n == 0)
         return IDEM_OK; /* every candidate was taken meanwhile: settle commits the empty batch */
 
-    /* publish the whole batch; its confirms are awaited in settle_commit */
-    for (size_t i = 0; rc == IDEM_OK && i < n; i++)
-        rc = publish_row(r, &sl->rows[i], err);
-    sl->last_tag = sl->rows[n - 1].tag;
+    /* publish the first wave; its confirms are awaited in settle_commit */
+    size_t published;
+    rc = publish_wave(r, sl, &published, err);
     sl->t_pub = idemp_now_ms();
     return rc;
 }
@@ -536,9 +573,13 @@ static int claim_publish(idem_relay_t *r, slot_t *sl, size_t *claimed, idem_erro
 static int settle_commit(idem_relay_t *r, slot_t *sl, idem_error_t *err)
 {
     int rc = IDEM_OK;
-    if (sl->n > 0)
+    size_t published = sl->n > 0 ? 1 : 0;
+    while (rc == IDEM_OK && published > 0) {
         rc = idemp_amqp_wait_confirms(r->amqp, sl->last_tag, r->cfg.confirm_timeout_ms, on_confirm,
                                       r, err);
+        if (rc == IDEM_OK)
+            rc = publish_wave(r, sl, &published, err);
+    }
     int64_t t_conf = idemp_now_ms();
     uint64_t sent = 0;
     if (rc == IDEM_OK) {

@@ -1,0 +1,54 @@
+"""The same event delivered several times is applied once: one ledger row, one effect."""
+
+from conftest import new_id, payload
+
+
+def test_three_deliveries_together_advance_dunning_once(db, queue, consumers, broker, dead_letters):
+    c = consumers("billing", queue, db)
+    body = payload()
+    eid = new_id()
+    for _ in range(3):  # back to back: they may well land in one batch
+        broker.publish_event("payment.failed", body, event_id=eid)
+
+    c.wait_handled(3)
+    assert c.metric("idem_consumer_applied_total") == 1
+    assert c.metric("idem_consumer_duplicates_total") == 2
+    assert c.stop() == 0
+
+    assert db.dunning_step(body["subscription_id"]) == 1
+    assert db.ledger() == [("billing", eid)]
+    assert broker.depth(queue) == 0
+    assert dead_letters(queue).poll() == []
+
+
+def test_redelivery_after_apply_is_a_duplicate(db, queue, consumers, broker, dead_letters):
+    c = consumers("billing", queue, db)
+    body = payload()
+    eid = new_id()
+    broker.publish_event("payment.failed", body, event_id=eid)
+    c.wait_handled(1)
+    assert db.dunning_step(body["subscription_id"]) == 1
+
+    # Two later deliveries of the same event, one of them with a different body (a redelivery is
+    # recognised by its event id alone).
+    broker.publish_event("payment.failed", body, event_id=eid)
+    broker.publish_event("payment.failed", dict(body, amount_cents=99), event_id=eid)
+    c.wait_handled(3)
+    assert c.metric("idem_consumer_duplicates_total") == 2
+    assert c.stop() == 0
+
+    assert db.dunning_step(body["subscription_id"]) == 1
+    assert db.ledger() == [("billing", eid)]
+    assert broker.depth(queue) == 0
+    assert dead_letters(queue).poll() == []
+
+
+def test_distinct_events_each_applied(db, queue, consumers, broker):
+    """Control for the above: different event ids for one subscription are all applied."""
+    c = consumers("billing", queue, db)
+    sub = new_id()
+    ids = [broker.publish_event("payment.failed", payload(subscription_id=sub)) for _ in range(3)]
+    c.wait_handled(3)
+    assert c.stop() == 0
+    assert db.dunning_step(sub) == 3
+    assert db.ledger() == sorted(("billing", i) for i in ids)
