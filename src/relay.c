@@ -672,6 +672,10 @@ static bool drain_notifies(idem_relay_t *r)
 /* Sleeps until a NOTIFY arrives or the poll interval passes (or a stop). */
 static void wait_for_work(idem_relay_t *r)
 {
+    /* a NOTIFY that arrived during our own statements is already in libpq's queue, and the
+     * socket will not signal it again */
+    if (drain_notifies(r))
+        return;
     int64_t end = idemp_now_ms() + r->cfg.poll_interval_ms;
     while (!stopping(r)) {
         int64_t left = end - idemp_now_ms();
