@@ -137,6 +137,9 @@ int idemp_pg_connect(idemp_pg_t *pg, idem_error_t *err)
     if (pg->conn == NULL)
         return IDEM_ERR_PG_CONNECT;
     pg->generation++;
+    /* the daemons run short statements on a hot path: JIT compilation would cost more than it
+     * saves whenever the planner's estimates on a large outbox cross jit_above_cost */
+    PQclear(PQexec(pg->conn, "SET jit = off"));
     return IDEM_OK;
 }
 
