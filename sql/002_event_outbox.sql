@@ -19,6 +19,9 @@ CREATE TABLE event_outbox (
 -- The relay's scan: exactly the non-terminal rows, in emit order. Any new non-terminal status
 -- must be added to these predicates in the same migration.
 CREATE INDEX event_outbox_pending ON event_outbox (seq) WHERE status = 'pending';
+-- A subscription's first pending row, for the relay's head check (one index probe).
+CREATE INDEX event_outbox_pending_sub ON event_outbox (subscription_id, seq)
+    WHERE status = 'pending';
 -- Head-of-line check per subscription: pending rows that have failed at least once are the only
 -- ones that can wait for a later attempt, so this index stays as small as the retry backlog.
 CREATE INDEX event_outbox_retrying ON event_outbox (subscription_id, seq)

@@ -40,11 +40,17 @@
     " ORDER BY o.seq LIMIT $1"
 
 /* Step 2, with a snapshot taken after the locks are held: the candidates still pending and
- * due, minus any row behind an earlier row of its subscription that waits for a retry. Only
- * rows that failed before can wait (attempts > 0): the small event_outbox_retrying index. */
+ * due, minus any row behind an earlier row of its subscription that waits for a retry (only
+ * rows that failed before can wait, attempts > 0: the small event_outbox_retrying index). Each
+ * row also carries the seq of its subscription's first pending row: step 1 may have skipped a
+ * subscription's first rows while another relay still held it and taken later ones after that
+ * relay let go, and such a subscription must not be published out of order (see claim_publish). */
 #define SQL_CLAIM_ROWS                                                                             \
     "SELECT o.outbox_id, o.event_id, o.subscription_id, o.event_type, o.payload::text,"            \
-    "       o.attempts, extract(epoch FROM o.created_at)::bigint"                                  \
+    "       o.attempts, extract(epoch FROM o.created_at)::bigint, o.seq,"                          \
+    "       (SELECT h.seq FROM event_outbox h"                                                     \
+    "         WHERE h.subscription_id = o.subscription_id AND h.status = 'pending'"                \
+    "         ORDER BY h.seq LIMIT 1)"                                                             \
     "  FROM event_outbox o"                                                                        \
     " WHERE o.outbox_id = ANY($1::uuid[]) AND o.status = 'pending'"                                \
     "   AND o.next_attempt_at <= now()"                                                            \
@@ -534,21 +540,38 @@ static int claim_publish(idem_relay_t *r, slot_t *sl, size_t *claimed, idem_erro
         return rc;
     }
 
-    size_t n = (size_t)PQntuples(res);
-    if (n > (size_t)r->cfg.batch)
-        n = (size_t)r->cfg.batch;
-    for (size_t i = 0; i < n; i++) {
-        row_t *row = &sl->rows[i];
-        snprintf(row->outbox_id, sizeof row->outbox_id, "%s", PQgetvalue(res, (int)i, 0));
-        snprintf(row->event_id, sizeof row->event_id, "%s", PQgetvalue(res, (int)i, 1));
-        snprintf(row->subscription_id, sizeof row->subscription_id, "%s",
-                 PQgetvalue(res, (int)i, 2));
-        row->event_type = PQgetvalue(res, (int)i, 3);
-        row->payload = PQgetvalue(res, (int)i, 4);
-        row->created_s = strtoll(PQgetvalue(res, (int)i, 6), NULL, 10);
+    size_t rows = (size_t)PQntuples(res), n = 0;
+    for (size_t k = 0; k < rows && n < (size_t)r->cfg.batch; k++) {
+        int i = (int)k;
+        /* a subscription is published only from its first pending row on: its first row in
+         * this result must be that row, else the whole subscription waits for a later claim */
+        const char *sub = PQgetvalue(res, i, 2);
+        bool seen = false;
+        for (size_t j = 0; j < k && !seen; j++)
+            seen = strcmp(PQgetvalue(res, (int)j, 2), sub) == 0;
+        if (!seen && strcmp(PQgetvalue(res, i, 7), PQgetvalue(res, i, 8)) != 0) {
+            const char *kv[] = {"subscription_id", sub, NULL};
+            idem_log(IDEM_LOG_DEBUG, LOGC, kv,
+                     "subscription skipped this batch: its first pending row was not claimed");
+            continue;
+        }
+        if (seen) {
+            bool kept = false;
+            for (size_t j = 0; j < n && !kept; j++)
+                kept = memcmp(sl->rows[j].subscription_id, sub, 36) == 0;
+            if (!kept)
+                continue; /* its subscription was skipped above */
+        }
+        row_t *row = &sl->rows[n++];
+        snprintf(row->outbox_id, sizeof row->outbox_id, "%s", PQgetvalue(res, i, 0));
+        snprintf(row->event_id, sizeof row->event_id, "%s", PQgetvalue(res, i, 1));
+        snprintf(row->subscription_id, sizeof row->subscription_id, "%s", sub);
+        row->event_type = PQgetvalue(res, i, 3);
+        row->payload = PQgetvalue(res, i, 4);
+        row->created_s = strtoll(PQgetvalue(res, i, 6), NULL, 10);
         row->state = R_UNSENT;
         row->prev = -1;
-        for (size_t j = i; j-- > 0;)
+        for (size_t j = n - 1; j-- > 0;)
             if (memcmp(sl->rows[j].subscription_id, row->subscription_id, 36) == 0) {
                 row->prev = (int)j;
                 break;

@@ -1,0 +1,273 @@
+"""Helpers for the outbox and relay tests (test_outbox_atomicity, test_relay_*, test_end_to_end).
+
+Builds on conftest.py (servers, db, broker, queues, consumers, run_idem, wait_until): emitting
+through idem_emit, declaring a consumer's queue exactly as `idem consume` does, reading a queue
+whole, `idem relay --once` runs and relay daemons with debug logs in files (printed when a test
+fails)."""
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from conftest import EXCHANGE, IDEM, _die_with_parent, run_idem, wait_until
+
+# ----------------------------------------------------------------------------- ids and emitting
+
+
+def md5_uuid(key):
+    """What idem_emit derives from a dedup key: md5(key)::uuid, canonical lowercase."""
+    return str(uuid.UUID(hashlib.md5(key.encode()).hexdigest()))
+
+
+def emit(db, event_type, subscription_id, key, body, conn=None):
+    """SELECT idem_emit(...) in its own transaction (or on conn as it is); returns the id."""
+    sql = "SELECT idem_emit(%s, %s::uuid, %s, %s::jsonb)::text"
+    args = (event_type, subscription_id, key, json.dumps(body))
+    if conn is not None:
+        with conn.cursor() as cur:
+            cur.execute(sql, args)
+            return cur.fetchone()[0]
+    return db.scalar(sql, *args)
+
+
+def emit_many(db, events, per_tx=100):
+    """events: [(event_type, subscription_id, key, body)], emitted in this order on one
+    connection, per_tx events per transaction. Returns the ids in the same order."""
+    ids = []
+    with db.connect(autocommit=False) as conn:
+        for i in range(0, len(events), per_tx):
+            for ev in events[i:i + per_tx]:
+                ids.append(emit(db, *ev, conn=conn))
+            conn.commit()
+    return ids
+
+
+def outbox(db, where="true", *params):
+    """{event_id: {status, attempts, last_error, subscription_id, event_type, n, seq}}."""
+    rows = db.query(
+        "SELECT event_id::text, status, attempts, last_error, subscription_id::text, event_type,"
+        " (payload->>'n')::int, seq, sent_at FROM event_outbox WHERE " + where, *params)
+    keys = ("status", "attempts", "last_error", "subscription_id", "event_type", "n", "seq",
+            "sent_at")
+    return {r[0]: dict(zip(keys, r[1:])) for r in rows}
+
+
+def status_counts(db):
+    return dict(db.query("SELECT status, count(*) FROM event_outbox GROUP BY status"))
+
+
+def wait_all_sent(db, n, timeout=20, what=None):
+    wait_until(lambda: db.count("event_outbox", "status = 'sent'") == n, timeout, 0.1,
+               what or (lambda: f"{n} rows sent (now {status_counts(db)})"))
+
+
+# ----------------------------------------------------------------------------- broker
+
+
+def queue_args(queue):
+    """The arguments `idem consume` declares QUEUE with (src/rmq.c, src/consumer.c)."""
+    return {"x-queue-type": "quorum", "x-dead-letter-exchange": "",
+            "x-dead-letter-routing-key": queue + ".dlq"}
+
+
+def declare_consumer_queue(broker, queue, keys):
+    """Declares QUEUE.dlq and QUEUE exactly as `idem consume` would (durable; QUEUE a quorum
+    queue dead-lettering to QUEUE.dlq) and binds QUEUE to the exchange for each routing key, so
+    that a consumer started later on QUEUE finds it compatible."""
+    with broker.channel() as ch:
+        broker.declare_exchange(ch)
+        ch.queue_declare(queue=queue + ".dlq", durable=True)
+        ch.queue_declare(queue=queue, durable=True, arguments=queue_args(queue))
+        for k in keys:
+            ch.queue_bind(queue=queue, exchange=EXCHANGE, routing_key=k)
+
+
+def bind(broker, queue, key):
+    with broker.channel() as ch:
+        ch.queue_bind(queue=queue, exchange=EXCHANGE, routing_key=key)
+
+
+class Msg:
+    """One message read off a queue: properties, headers (as str) and the decoded body."""
+
+    def __init__(self, method, props, body):
+        self.method = method
+        self.props = props
+        self.raw = body
+        self.headers = {k: (v.decode() if isinstance(v, bytes) else v)
+                        for k, v in (props.headers or {}).items()}
+        try:
+            self.body = json.loads(body)
+        except ValueError:
+            self.body = None
+
+    @property
+    def event_id(self):
+        return self.props.message_id
+
+    @property
+    def sub(self):
+        return self.headers.get("subscription_id")
+
+    @property
+    def n(self):
+        return self.body.get("n") if isinstance(self.body, dict) else None
+
+    def __repr__(self):
+        return f"Msg({self.props.type} {self.event_id} sub={self.sub} n={self.n})"
+
+
+def read_queue(broker, queue, expect=0, timeout=20, idle=0.5):
+    """Takes every message off queue (auto-ack) in queue order: waits for at least `expect`
+    messages (up to timeout), then reads on until the queue has been idle for `idle` seconds, so
+    that extra messages (duplicates) are read too."""
+    out = []
+    deadline = time.monotonic() + timeout
+    with broker.channel() as ch:
+        ch.basic_qos(prefetch_count=1000)
+        for method, props, body in ch.consume(queue, auto_ack=True, inactivity_timeout=idle):
+            if method is None:
+                if len(out) >= expect or time.monotonic() >= deadline:
+                    break
+                continue
+            out.append(Msg(method, props, body))
+        ch.cancel()
+    return out
+
+
+# ----------------------------------------------------------------------------- the relay
+
+
+def idem(db, servers, *args, env=None, timeout=60):
+    return run_idem(*args, pg_url=db.url, amqp_url=servers.amqp_url, env=env, timeout=timeout)
+
+
+def relay_once(db, servers, *args, fault=None, timeout=60):
+    """`idem relay --once --log-level debug ARGS...` (IDEM_FAULT=fault when given)."""
+    env = {"IDEM_FAULT": fault} if fault else None
+    return idem(db, servers, "relay", "--once", "--log-level", "debug", *args, env=env,
+                timeout=timeout)
+
+
+class RelayDaemon:
+    """A running `idem relay` (daemon, --log-level debug) with its log in a file."""
+
+    def __init__(self, db, servers, workdir, args=(), fault=None, name="relay"):
+        self.name = name
+        self.argv = [IDEM, "relay", "--log-level", "debug", *args]
+        self.env = dict(os.environ, IDEM_PG_URL=db.url, IDEM_AMQP_URL=servers.amqp_url)
+        self.env.pop("IDEM_FAULT", None)
+        if fault:
+            self.env["IDEM_FAULT"] = fault
+        self.logpath = os.path.join(workdir, f"{name}-{uuid.uuid4().hex[:6]}.log")
+        self.proc = None
+        self.logfile = None
+
+    def start(self, wait_ready=False, timeout=15):
+        assert not self.running(), "already running"
+        self.logfile = open(self.logpath, "ab")
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL,
+                                     stdout=self.logfile, stderr=subprocess.STDOUT,
+                                     preexec_fn=_die_with_parent)
+        if wait_ready:
+            self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout=15):
+        def ready():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.name} exited with {self.proc.returncode}:\n"
+                                     f"{self.log()[-3000:]}")
+            log = self.log()
+            return "connected to PostgreSQL" in log and "connected to RabbitMQ" in log
+
+        wait_until(ready, timeout, 0.05, f"{self.name} connected to both servers")
+
+    def running(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def log(self):
+        try:
+            with open(self.logpath, "rb") as f:
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def batches(self):
+        """[(claimed, sent)] of the 'batch committed' debug lines."""
+        out = []
+        for line in self.log().splitlines():
+            if "batch committed" not in line:
+                continue
+            kv = dict(w.split("=", 1) for w in line.split() if "=" in w)
+            out.append((int(kv.get("claimed", 0)), int(kv.get("sent", 0))))
+        return out
+
+    def sent(self):
+        return sum(s for _, s in self.batches())
+
+    def wait_exit(self, timeout=15):
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.name} still running after {timeout}s:\n"
+                                 f"{self.log()[-3000:]}")
+
+    def stop(self, timeout=15):
+        """SIGTERM and wait; returns the exit status."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.wait_exit(timeout)
+        finally:
+            self.close()
+
+    def kill(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.close()
+
+    def close(self):
+        if self.logfile is not None:
+            with contextlib.suppress(Exception):
+                self.logfile.close()
+
+
+@pytest.fixture
+def relay_daemons(db, servers, tmp_path, request):
+    """Factory: relay_daemons(args=[...], fault=None, name='relay', start=True) -> RelayDaemon.
+    All are stopped after the test; their logs are printed when the test failed."""
+    made = []
+
+    def make(args=(), fault=None, name=None, start=True, wait_ready=False):
+        r = RelayDaemon(db, servers, str(tmp_path), args, fault, name or f"relay{len(made) + 1}")
+        made.append(r)
+        if start:
+            r.start(wait_ready=wait_ready)
+        return r
+
+    yield make
+    for r in made:
+        if r.running():
+            with contextlib.suppress(Exception):
+                r.stop(10)
+        r.kill()
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        for r in made:
+            print(f"\n----- log of {r.name} ({r.logpath}):\n{r.log()[-8000:]}")
+
+
+__all__ = ["md5_uuid", "emit", "emit_many", "outbox", "status_counts", "wait_all_sent",
+           "queue_args", "declare_consumer_queue", "bind", "Msg", "read_queue", "idem",
+           "relay_once", "RelayDaemon", "relay_daemons"]
