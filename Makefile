@@ -75,7 +75,7 @@ HANDLER_OBJS := $(HANDLER_SRCS:%.c=$(BUILD)/%.o)
 CLI_OBJS := $(CLI_SRCS:%.c=$(BUILD)/%.o)
 UNIT_BINS := $(UNIT_TESTS:%=$(BUILD)/%)
 
-.PHONY: all test check unit integration bench demo install format format-check clean deps
+.PHONY: all test check unit integration sanitize bench demo install format format-check clean deps
 
 all: $(BUILD)/idem $(BUILD)/libidem.a $(BUILD)/libidem.so
 
@@ -116,6 +116,17 @@ check: test
 integration: all
 	scripts/integration.sh
 
+# The same suites against an AddressSanitizer + UndefinedBehaviorSanitizer build in build-san/;
+# reports go to build-san/reports/ and fail the target.
+sanitize: deps
+	$(MAKE) BUILD=build-san SAN=address,undefined CFLAGS="-O1 -g" all unit
+	rm -rf build-san/reports && mkdir -p build-san/reports
+	IDEM_BIN=$(CURDIR)/build-san/idem IDEM_SQL_DIR=$(CURDIR)/sql \
+	ASAN_OPTIONS=log_path=$(CURDIR)/build-san/reports/asan \
+	UBSAN_OPTIONS=log_path=$(CURDIR)/build-san/reports/ubsan:print_stacktrace=1 \
+	scripts/integration.sh
+	@if [ -n "$$(ls build-san/reports)" ]; then cat build-san/reports/*; exit 1; fi
+
 bench: deps
 	$(MAKE) all
 	bench/run.sh
@@ -144,6 +155,6 @@ format-check:
 	clang-format --dry-run --Werror $(FORMAT_FILES)
 
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) build-san
 
 -include $(LIB_OBJS:.o=.d) $(HANDLER_OBJS:.o=.d) $(CLI_OBJS:.o=.d)
