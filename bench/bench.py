@@ -1,0 +1,1042 @@
+#!/usr/bin/python3
+"""bench.py - idem's benchmark: every figure measured in one run beside its limit.
+
+Run by bench/run.sh (`make bench`), which builds the tools, starts private durable PostgreSQL
+and RabbitMQ instances and exports IDEM_PG_URL, IDEM_AMQP_URL and IDEM_SVC_DIR. It can also be
+run by hand against such an instance (it truncates idem's tables and deletes its bench.* queues:
+never point it at data you keep):
+
+    . "$(scripts/services.sh start /tmp/b --durable)"; /usr/bin/python3 bench/bench.py [--quick]
+
+Phases (all in one run, so the ratios compare figures taken under the same conditions):
+  relay     backlog of --events pending rows over 500 subscriptions, drained by 1, 2, 4 relays;
+            beside it the raw confirmed publisher (build/bench/raw_publish, window = --batch)
+            into the same exchange and the same kind of queue, and the tutorial recipe
+            (bench/recipe.py relay, time-capped).
+  consumer  a full queue of --events payment.failed events consumed by `idem consume`; beside it
+            the raw consume-and-ack loop (build/bench/raw_consume), the set-based SQL statement
+            (bench/loadgen.py dblimit: 100 events per durable commit), and the recipe consumer
+            (bench/recipe.py consume, time-capped).
+  latency   emit -> handler effect committed, at a steady --lat-rate (build/bench/emit_rate)
+            and one event at a time (relay and consumer running as daemons); then the idle
+            CPU of both over
+            --idle-cpu-seconds, and their peak RSS (VmHWM) over the whole run.
+  claim     the relay's claim statements as a running relay runs them (pg_stat_statements,
+            planning + execution, server side; the relay daemon is paused with SIGSTOP while
+            --claim-pending rows are emitted, then resumed to drain them), alone and beside
+            --claim-sent sent rows.
+
+Throughputs come from the database's commit timestamps (track_commit_timestamp, turned on by
+this script): (rows - rows of the first commit) / (last commit - first commit), the same for
+idem, the recipe and the SQL limit; the raw tools time themselves with the same estimator.
+Latency = commit time of the consumer's transaction (consumed_events row) - created_at of the
+outbox row (the start of the emitting transaction). Medians over --rounds rounds.
+
+Writes bench/results/latest.md and bench/results/latest.json; prints the table.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import psycopg2
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import loadgen  # noqa: E402
+
+PY = "/usr/bin/python3"
+T0 = time.monotonic()
+CHILDREN = set()
+
+
+class Failure(Exception):
+    pass
+
+
+def log(msg):
+    print(f"[bench {time.monotonic() - T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def env_int(name, default):
+    v = os.environ.get(name)
+    return int(v) if v not in (None, "") else default
+
+
+def env_float(name, default):
+    v = os.environ.get(name)
+    return float(v) if v not in (None, "") else default
+
+
+# ---------------------------------------------------------------------------- configuration
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description="idem benchmark (see the module docstring)")
+    ap.add_argument("--quick", action="store_true",
+                    help="small sizes, one round: checks that every piece runs (figures are "
+                         "not meaningful)")
+    ap.add_argument("--only", default=os.environ.get("BENCH_ONLY", ""),
+                    help="comma-separated phases: relay,consumer,latency,claim (default all)")
+    ap.add_argument("--events", type=int, default=env_int("BENCH_EVENTS", 100000))
+    ap.add_argument("--subscriptions", type=int, default=env_int("BENCH_SUBSCRIPTIONS", 500))
+    ap.add_argument("--rounds", type=int, default=env_int("BENCH_ROUNDS", 3))
+    ap.add_argument("--relays", default=os.environ.get("BENCH_RELAYS", "1,2,4"))
+    ap.add_argument("--batch", type=int, default=env_int("BENCH_BATCH", 200))
+    ap.add_argument("--recipe-seconds", type=float, default=env_float("BENCH_RECIPE_SECONDS", 5),
+                    help="time cap of each recipe round")
+    ap.add_argument("--recipe-fill", type=int, default=env_int("BENCH_RECIPE_FILL", 30000),
+                    help="messages queued for the recipe consumer's rounds")
+    ap.add_argument("--lat-rate", type=float, default=env_float("BENCH_LAT_RATE", 1000))
+    ap.add_argument("--lat-seconds", type=float, default=env_float("BENCH_LAT_SECONDS", 5))
+    ap.add_argument("--lat-rounds", type=int, default=env_int("BENCH_LAT_ROUNDS", 3))
+    ap.add_argument("--idle-events", type=int, default=env_int("BENCH_IDLE_EVENTS", 40))
+    ap.add_argument("--idle-gap-ms", type=float, default=env_float("BENCH_IDLE_GAP_MS", 150))
+    ap.add_argument("--idle-cpu-seconds", type=float,
+                    default=env_float("BENCH_IDLE_CPU_SECONDS", 10))
+    ap.add_argument("--claim-sent", type=int, default=env_int("BENCH_CLAIM_SENT", 1000000))
+    ap.add_argument("--claim-pending", type=int, default=env_int("BENCH_CLAIM_PENDING", 1000))
+    ap.add_argument("--idem", default=os.environ.get("IDEM_BIN", os.path.join(ROOT, "build/idem")))
+    ap.add_argument("--tools", default=os.environ.get("BENCH_TOOLS",
+                                                      os.path.join(ROOT, "build/bench")))
+    ap.add_argument("--relay-flags", default=os.environ.get("BENCH_RELAY_FLAGS", ""))
+    ap.add_argument("--consumer-flags", default=os.environ.get("BENCH_CONSUMER_FLAGS", ""))
+    ap.add_argument("--out", default=os.environ.get("BENCH_OUT", os.path.join(HERE, "results")))
+    ap.add_argument("--logs", default=os.environ.get("BENCH_LOGS", ""))
+    a = ap.parse_args()
+    if a.quick:
+        a.events = min(a.events, 10000)
+        a.rounds = 1
+        a.recipe_seconds = min(a.recipe_seconds, 2)
+        a.recipe_fill = min(a.recipe_fill, 3000)
+        a.lat_seconds = min(a.lat_seconds, 2)
+        a.lat_rounds = 1
+        a.idle_events = min(a.idle_events, 10)
+        a.idle_cpu_seconds = min(a.idle_cpu_seconds, 3)
+        a.claim_sent = min(a.claim_sent, 100000)
+    a.relays = [int(x) for x in a.relays.replace(" ", ",").split(",") if x]
+    a.only = set(x for x in a.only.replace(" ", ",").split(",") if x)
+    if not a.logs:
+        base = os.environ.get("IDEM_SVC_DIR") or "/tmp"
+        a.logs = os.path.join(base, "bench-logs")
+    os.makedirs(a.logs, exist_ok=True)
+    os.makedirs(a.out, exist_ok=True)
+    return a
+
+
+A = None  # the parsed arguments
+RES = {"samples": {}, "errors": [], "notes": [], "checks": []}
+
+
+def sample(key, value):
+    RES["samples"].setdefault(key, []).append(value)
+
+
+def note(msg):
+    log("note: " + msg)
+    RES["notes"].append(msg)
+
+
+def check(msg):
+    """A correctness observation made along the way (duplicates, dead letters, ...)."""
+    log("check: " + msg)
+    RES["checks"].append(msg)
+
+
+# ---------------------------------------------------------------------------- processes
+
+
+def spawn(args, name, env=None):
+    path = os.path.join(A.logs, name + ".log")
+    f = open(path, "ab")
+    f.write(f"\n=== {datetime.datetime.now().isoformat()} {shlex.join(args)}\n".encode())
+    f.flush()
+    p = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                         env=env, cwd=ROOT)
+    f.close()
+    p.bench_name = name
+    p.bench_log = path
+    CHILDREN.add(p)
+    return p
+
+
+def stop(p, timeout=20):
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        p.send_signal(signal.SIGCONT)  # in case it was paused
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log(f"{p.bench_name} (pid {p.pid}) ignored SIGTERM for {timeout}s; killing it")
+            p.kill()
+            p.wait()
+    CHILDREN.discard(p)
+    return p.returncode
+
+
+def stop_all():
+    for p in list(CHILDREN):
+        try:
+            stop(p, 5)
+        except Exception:
+            pass
+
+
+def tail(path, n=15):
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().decode(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+    except OSError:
+        return ""
+
+
+def run_json(args, timeout=300, name=None):
+    """Runs a tool that prints one JSON line last; returns it parsed."""
+    r = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+                       stdin=subprocess.DEVNULL, timeout=timeout)
+    lines = [x for x in r.stdout.decode().splitlines() if x.strip()]
+    if r.returncode != 0 or not lines:
+        raise Failure(f"{name or os.path.basename(args[0])} exited {r.returncode}: "
+                      f"{r.stderr.decode().strip()[-500:]}")
+    return json.loads(lines[-1])
+
+
+def cpu_ticks(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        s = f.read()
+    rest = s[s.rindex(")") + 2:].split()
+    return int(rest[11]) + int(rest[12])  # utime + stime (fields 14, 15)
+
+
+def vmhwm_kib(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def note_rss(role, procs):
+    for p in procs:
+        if p.poll() is None:
+            v = vmhwm_kib(p.pid)
+            if v is not None:
+                sample(f"rss_kib.{role}", v)
+
+
+# ---------------------------------------------------------------------------- database
+
+
+class DB:
+    def __init__(self):
+        self.connect()
+
+    def connect(self):
+        self.conn = psycopg2.connect(os.environ.get("IDEM_PG_URL", ""))
+        self.conn.autocommit = True
+
+    def q(self, sql, args=None):
+        with self.conn.cursor() as cur:
+            cur.execute(sql, args)
+            return cur.fetchall() if cur.description else None
+
+    def one(self, sql, args=None):
+        rows = self.q(sql, args)
+        return rows[0][0] if rows else None
+
+    def close(self):
+        self.conn.close()
+
+
+DBX = None
+
+
+def truncate(*tables):
+    DBX.q("TRUNCATE " + ", ".join(tables))
+
+
+def commit_rate(table, where, args=None):
+    """(rows - rows of the first commit) / (last commit - first commit), from commit
+    timestamps; returns (rate, rows, span_seconds)."""
+    row = DBX.q(f"""
+        WITH t AS (SELECT pg_xact_commit_timestamp(xmin) AS ts FROM {table} WHERE {where})
+        SELECT count(*), extract(epoch FROM max(ts) - min(ts)),
+               count(*) FILTER (WHERE ts = (SELECT min(ts) FROM t))
+          FROM t""", args)[0]
+    n, span, first = int(row[0]), float(row[1] or 0), int(row[2])
+    if n == 0 or span <= 0:
+        return 0.0, n, span
+    return (n - first) / span, n, span
+
+
+EMIT_BACKLOG_SQL = """
+    SELECT count(idem_emit('payment.failed', s, %(run)s || '-' || i,
+               jsonb_build_object('invoice_id', gen_random_uuid(), 'subscription_id', s,
+                                  'amount_cents', 4999, 'currency', 'EUR',
+                                  'reason', 'card_declined', 'bench_run', %(run)s)))
+      FROM (SELECT i, (%(subs)s::uuid[])[1 + i %% %(nsubs)s] AS s
+              FROM generate_series(0, %(n)s - 1) i
+             WHERE i %% %(parts)s = %(part)s) x"""
+
+
+def emit_backlog(n, run, checkpoint=True):
+    """n pending payment.failed rows through idem_emit. Two transactions at once, on disjoint
+    halves of the subscriptions (idem_emit holds a per-subscription lock until commit), when the
+    number of subscriptions is even; else one."""
+    t = time.monotonic()
+    parts = 2 if A.subscriptions % 2 == 0 else 1
+    args = {"run": run, "subs": loadgen.SUBSCRIPTIONS[:A.subscriptions],
+            "nsubs": A.subscriptions, "n": n, "parts": parts}
+    errors = []
+
+    def part(k):
+        try:
+            c = psycopg2.connect(os.environ.get("IDEM_PG_URL", ""))
+            with c:
+                with c.cursor() as cur:
+                    cur.execute(EMIT_BACKLOG_SQL, dict(args, part=k))
+            c.close()
+        except Exception as e:
+            errors.append(e)
+
+    th = [threading.Thread(target=part, args=(k,)) for k in range(parts)]
+    for x in th:
+        x.start()
+    for x in th:
+        x.join()
+    if errors:
+        raise Failure(f"emitting the backlog: {errors[0]}")
+    DBX.q("ANALYZE event_outbox")
+    if checkpoint:
+        DBX.q("CHECKPOINT")
+    log(f"emitted {n} pending events ({run}) in {time.monotonic() - t:.1f}s")
+
+
+def pending_left():
+    return DBX.one("SELECT EXISTS (SELECT 1 FROM event_outbox WHERE status = 'pending')")
+
+
+def wait_for(pred, timeout, what, procs=(), interval=0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        if pred():
+            return
+        for p in procs:
+            if p.poll() is not None:
+                raise Failure(f"{what}: {p.bench_name} exited {p.returncode} early; "
+                              f"log {p.bench_log}:\n{tail(p.bench_log)}")
+        if time.monotonic() > deadline:
+            raise Failure(f"{what}: not done within {timeout:.0f}s")
+        time.sleep(interval)
+
+
+# ---------------------------------------------------------------------------- broker chores
+
+
+def tool(name):
+    return os.path.join(A.tools, name)
+
+
+def q_admin(queue, action):
+    return run_json([tool("raw_consume"), "--queue", queue, "--" + action], 60)
+
+
+def q_depth(queue):
+    return q_admin(queue, "depth")
+
+
+def fill_queue(queue, n, rk_type="payment.failed"):
+    """n valid payment.failed messages straight into queue (default exchange)."""
+    return run_json([tool("raw_publish"), "--exchange", "", "--routing-key", queue,
+                     "--type", rk_type, "--count", str(n), "--window", "1000",
+                     "--subscriptions", str(A.subscriptions)], 300)
+
+
+def bind_sink():
+    """bench.sink: a durable quorum queue bound to payment.failed on the exchange, standing in
+    for the consumers' queue while nothing consumes (the relay publishes mandatory)."""
+    run_json([tool("raw_publish"), "--queue", "bench.sink", "--count", "0"], 60)
+
+
+# ---------------------------------------------------------------------------- idem
+
+
+def have_idem():
+    return os.access(A.idem, os.X_OK)
+
+
+def idem(*args):
+    return [A.idem] + list(args)
+
+
+def relay_cmd():
+    return idem("relay", "--batch", str(A.batch)) + shlex.split(A.relay_flags)
+
+
+def consumer_cmd():
+    return idem("consume", "--consumer", "bench", "--queue", "bench.consumer") + \
+        shlex.split(A.consumer_flags)
+
+
+def migrate():
+    if have_idem():
+        r = subprocess.run(idem("migrate"), cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        if r.returncode != 0:
+            raise Failure("idem migrate failed: " + r.stdout.decode()[-500:])
+        return
+    note(f"{A.idem} not found: applied sql/*.sql with psycopg2 so that the limits and the "
+         "recipe still run; idem's own figures are n/a")
+    if DBX.one("SELECT to_regclass('event_outbox') IS NOT NULL"):
+        return
+    for f in sorted(os.listdir(os.path.join(ROOT, "sql"))):
+        if f.endswith(".sql"):
+            with open(os.path.join(ROOT, "sql", f)) as fh:
+                DBX.q(fh.read())
+
+
+def setup_server():
+    """Durable defaults checked; commit timestamps and pg_stat_statements turned on (needs one
+    restart, through scripts/services.sh)."""
+    global DBX
+    settings = dict(DBX.q("SELECT name, setting FROM pg_settings WHERE name IN "
+                          "('fsync','synchronous_commit','full_page_writes','wal_sync_method',"
+                          "'track_commit_timestamp','shared_preload_libraries','server_version',"
+                          "'shared_buffers','max_wal_size')"))
+    for k in ("fsync", "synchronous_commit", "full_page_writes"):
+        if settings.get(k) != "on":
+            raise Failure(f"PostgreSQL runs with {k}={settings.get(k)}: the benchmark needs the "
+                          "durable defaults (scripts/services.sh start DIR --durable)")
+    need = settings.get("track_commit_timestamp") != "on" or \
+        "pg_stat_statements" not in settings.get("shared_preload_libraries", "")
+    if need:
+        svc = os.environ.get("IDEM_SVC_DIR")
+        if not svc:
+            raise Failure("track_commit_timestamp/pg_stat_statements are off and IDEM_SVC_DIR "
+                          "is not set, so the server cannot be restarted to turn them on")
+        DBX.q("ALTER SYSTEM SET track_commit_timestamp = on")
+        DBX.q("ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'")
+        DBX.close()
+        for c in ("pg-stop", "pg-start"):
+            subprocess.run([os.path.join(ROOT, "scripts/services.sh"), c, svc], check=True,
+                           stdin=subprocess.DEVNULL)
+        DBX = DB()
+        DBX.q("ALTER SYSTEM SET pg_stat_statements.track = 'none'")
+        DBX.q("SELECT pg_reload_conf()")
+        log("PostgreSQL restarted with track_commit_timestamp=on, pg_stat_statements loaded")
+    DBX.q("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+    RES["server"] = dict(DBX.q("SELECT name, setting FROM pg_settings WHERE name IN "
+                               "('fsync','synchronous_commit','full_page_writes',"
+                               "'wal_sync_method','track_commit_timestamp','server_version',"
+                               "'shared_buffers','max_wal_size')"))
+
+
+# ---------------------------------------------------------------------------- phase: relay
+
+
+def phase_relay():
+    n = A.events
+    for qn in ("bench.consumer", "bench.recipe", "bench.raw"):
+        q_admin(qn, "delete")
+    bind_sink()
+    for r in range(A.rounds):
+        q_admin("bench.sink", "purge")
+        raw = run_json([tool("raw_publish"), "--count", str(n), "--window", str(A.batch),
+                        "--subscriptions", str(A.subscriptions)], 300)
+        sample("raw_publish", raw["rate"])
+        log(f"round {r + 1}: raw confirmed publish {raw['rate']:.0f} msg/s")
+        if not have_idem():
+            continue
+        for k in A.relays:
+            truncate("event_outbox")
+            emit_backlog(n, f"relay{k}-r{r}")
+            q_admin("bench.sink", "purge")
+            procs = [spawn(relay_cmd(), f"relay{k}") for _ in range(k)]
+            t = time.monotonic()
+            wait_for(lambda: not pending_left(), max(60, n / 1000), f"{k} relay(s) draining",
+                     procs)
+            wall = time.monotonic() - t
+            note_rss("relay", procs)
+            rcs = [stop(p) for p in procs]
+            if any(rc != 0 for rc in rcs):
+                check(f"relay exit codes after SIGTERM: {rcs}")
+            rate, rows, span = commit_rate("event_outbox", "status = 'sent'")
+            sample(f"relay.{k}", rate)
+            depth = q_depth("bench.sink")["messages"]
+            if rows != n or depth != n:
+                check(f"round {r + 1}, {k} relay(s): {rows} rows sent, {depth} messages in the "
+                      f"queue, for {n} events")
+            log(f"round {r + 1}: {k} relay(s) {rate:.0f} msg/s (commit timestamps; wall "
+                f"{n / wall:.0f}/s incl. start-up)")
+    # the recipe: --rounds time-capped runs draining the head of one backlog of n rows
+    truncate("event_outbox")
+    emit_backlog(n, "recipe-relay")
+    DBX.q("CREATE INDEX bench_recipe_idx_outbox_pending ON event_outbox (created_at) "
+          "WHERE status = 'pending'")  # the recipe's own index (its step 1)
+    DBX.q("ANALYZE event_outbox")
+    try:
+        for r in range(A.rounds):
+            q_admin("bench.sink", "purge")
+            since = DBX.one("SELECT clock_timestamp()")
+            out = run_json([PY, os.path.join(HERE, "recipe.py"), "relay", "--seconds",
+                            str(A.recipe_seconds), "--batch", str(A.batch), "--drain"],
+                           A.recipe_seconds + 120, "recipe.py relay")
+            rate, rows, span = commit_rate("event_outbox", "status = 'sent' AND sent_at >= %s",
+                                           (since,))
+            sample("recipe_relay", rate)
+            log(f"round {r + 1}: recipe relay {rate:.0f} msg/s over {rows} rows ({out})")
+    finally:
+        DBX.q("DROP INDEX IF EXISTS bench_recipe_idx_outbox_pending")
+    truncate("event_outbox")
+    q_admin("bench.sink", "delete")
+
+
+# ---------------------------------------------------------------------------- phase: consumer
+
+
+def declare_consumer_queue():
+    """`idem consume` declares its own queue (quorum, with its dead-letter queue) and bindings:
+    start it once on an empty queue, wait until it consumes, stop it."""
+    p = spawn(consumer_cmd(), "consumer")
+    wait_for(lambda: q_depth("bench.consumer")["consumers"] >= 1, 30,
+             "idem consume declaring bench.consumer", [p], 0.2)
+    rc = stop(p)
+    if rc != 0:
+        check(f"idem consume exit code after SIGTERM (idle): {rc}")
+
+
+def consumed(consumer):
+    return DBX.one("SELECT count(*) FROM consumed_events WHERE consumer = %s", (consumer,))
+
+
+def phase_consumer():
+    n = A.events
+    q_admin("bench.sink", "delete")
+    q_admin("bench.raw", "declare")
+    if have_idem():
+        q_admin("bench.consumer", "purge")
+        declare_consumer_queue()
+    for r in range(A.rounds):
+        # broker limit
+        q_admin("bench.raw", "purge")
+        fill_queue("bench.raw", n)
+        raw = run_json([tool("raw_consume"), "--queue", "bench.raw", "--count", str(n),
+                        "--prefetch", "200", "--ack-every", "100"], 300)
+        sample("raw_consume", raw["rate"])
+        log(f"round {r + 1}: raw consume+ack {raw['rate']:.0f} msg/s")
+        # database limit
+        truncate("consumed_events", "dunning")
+        DBX.q("CHECKPOINT")
+        out = run_json([PY, os.path.join(HERE, "loadgen.py"), "dblimit", "--events", str(n),
+                        "--per-tx", "100", "--consumer", "bench-db",
+                        "--subscriptions", str(A.subscriptions)], 600, "loadgen.py dblimit")
+        rate, rows, span = commit_rate("consumed_events", "consumer = 'bench-db'")
+        sample("db_limit", rate)
+        log(f"round {r + 1}: set-based SQL limit {rate:.0f} events/s ({out['wall_rate']:.0f}/s "
+            "wall)")
+        # idem
+        if have_idem():
+            truncate("consumed_events", "dunning")
+            q_admin("bench.consumer", "purge")
+            fill_queue("bench.consumer", n)
+            DBX.q("CHECKPOINT")
+            p = spawn(consumer_cmd(), "consumer")
+            wait_for(lambda: consumed("bench") >= n, max(60, n / 1000), "idem consume draining",
+                     [p], 0.2)
+            note_rss("consumer", [p])
+            rc = stop(p)
+            if rc != 0:
+                check(f"idem consume exit code after SIGTERM: {rc}")
+            rate, rows, span = commit_rate("consumed_events", "consumer = 'bench'")
+            sample("consumer", rate)
+            steps = DBX.one("SELECT coalesce(sum(step), 0) FROM dunning")
+            dlq = q_depth("bench.consumer.dlq")["messages"]
+            left = q_depth("bench.consumer")["messages"]
+            if rows != n or steps != n or dlq > 0 or left > 0:
+                check(f"round {r + 1}: consumer applied {rows}, dunning steps {steps}, "
+                      f"dead-lettered {dlq}, left in queue {left}, for {n} events")
+            log(f"round {r + 1}: idem consume {rate:.0f} events/s (commit timestamps)")
+    q_admin("bench.raw", "delete")
+    # the recipe consumer: --rounds time-capped runs on one full queue
+    truncate("consumed_events", "dunning")
+    q_admin("bench.recipe", "delete")
+    q_admin("bench.recipe", "declare")
+    fill_queue("bench.recipe", A.recipe_fill)
+    DBX.q("CHECKPOINT")
+    for r in range(A.rounds):
+        since = DBX.one("SELECT clock_timestamp()")
+        out = run_json([PY, os.path.join(HERE, "recipe.py"), "consume", "--queue",
+                        "bench.recipe", "--seconds", str(A.recipe_seconds), "--consumer",
+                        "recipe"], A.recipe_seconds + 120, "recipe.py consume")
+        rate, rows, span = commit_rate("consumed_events",
+                                       "consumer = 'recipe' AND consumed_at >= %s", (since,))
+        sample("recipe_consumer", rate)
+        log(f"round {r + 1}: recipe consumer {rate:.0f} events/s over {rows} events ({out})")
+    q_admin("bench.recipe", "delete")
+    truncate("consumed_events", "dunning")
+
+
+# ---------------------------------------------------------------------------- phase: latency
+
+
+LAT_SQL = """
+SELECT count(*), count(c.event_id),
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY l.ms),
+       percentile_cont(0.99) WITHIN GROUP (ORDER BY l.ms), max(l.ms),
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY l.relay_ms),
+       percentile_cont(0.99) WITHIN GROUP (ORDER BY l.relay_ms), max(l.relay_ms),
+       count(DISTINCT o.xmin::text), count(DISTINCT c.xmin::text)
+  FROM event_outbox o
+  LEFT JOIN consumed_events c ON c.event_id = o.event_id AND c.consumer = 'bench'
+  CROSS JOIN LATERAL (
+      SELECT extract(epoch FROM pg_xact_commit_timestamp(c.xmin) - o.created_at) * 1000 AS ms,
+             extract(epoch FROM pg_xact_commit_timestamp(o.xmin) - o.created_at) * 1000
+                 AS relay_ms) l
+ WHERE o.payload ->> 'bench_run' = %s
+"""
+
+
+def run_consumed(run):
+    return DBX.q("SELECT count(o.*), count(c.event_id) FROM event_outbox o LEFT JOIN "
+                 "consumed_events c ON c.event_id = o.event_id AND c.consumer = 'bench' "
+                 "WHERE o.payload ->> 'bench_run' = %s", (run,))[0]
+
+
+def latency_of(run, procs):
+    wait_for(lambda: (lambda t: t[0] > 0 and t[0] == t[1])(run_consumed(run)), 60,
+             f"events of {run} applied", procs, 0.2)
+    emitted, applied, p50, p99, mx, r50, r99, rmx, rtx, ctx = DBX.q(LAT_SQL, (run,))[0]
+    # relay_*: emit -> the relay's mark-sent commit (after the broker's confirm), a breakdown;
+    # *_transactions: how many transactions marked them sent / applied them (batching)
+    return {"events": emitted, "applied": applied, "p50": p50, "p99": p99, "max": mx,
+            "relay_p50": r50, "relay_p99": r99, "relay_max": rmx,
+            "relay_transactions": rtx, "consumer_transactions": ctx}
+
+
+def phase_latency():
+    if not have_idem():
+        return
+    for qn in ("bench.sink", "bench.raw", "bench.recipe"):
+        q_admin(qn, "delete")
+    truncate("event_outbox", "consumed_events", "dunning")
+    DBX.q("CHECKPOINT")
+    relay = spawn(relay_cmd(), "relay-daemon")
+    cons = spawn(consumer_cmd(), "consumer-daemon")
+    procs = [relay, cons]
+    try:
+        wait_for(lambda: q_depth("bench.consumer")["consumers"] >= 1, 30, "consumer ready",
+                 procs, 0.2)
+        time.sleep(1.0)
+        # one event at a time
+        out = run_json([PY, os.path.join(HERE, "loadgen.py"), "emit-idle", "--count",
+                        str(A.idle_events), "--gap-ms", str(A.idle_gap_ms), "--run", "lat-idle"],
+                       120, "loadgen.py emit-idle")
+        lat = latency_of("lat-idle", procs)
+        RES["latency_idle"] = lat
+        log(f"idle latency p50 {lat['p50']:.2f} ms, p99 {lat['p99']:.2f} ms, max "
+            f"{lat['max']:.2f} ms over {lat['events']} events (emit -> marked sent: p50 "
+            f"{lat['relay_p50']:.2f} ms)")
+        # steady rate
+        for r in range(A.lat_rounds):
+            run = f"lat-{r}"
+            out = run_json([tool("emit_rate"), "--rate", str(A.lat_rate), "--seconds",
+                            str(A.lat_seconds), "--run", run, "--conns", "4"],
+                           A.lat_seconds + 120, "emit_rate")
+            lat = latency_of(run, procs)
+            lat["emitter"] = out
+            sample("latency", lat)
+            if out["achieved_rate"] < 0.95 * A.lat_rate:
+                check(f"latency round {r + 1}: the emitter reached only {out['achieved_rate']}/s "
+                      f"of {A.lat_rate:.0f}/s")
+            log(f"latency round {r + 1} at {out['achieved_rate']:.0f}/s: p50 {lat['p50']:.2f} "
+                f"ms, p99 {lat['p99']:.2f} ms, max {lat['max']:.2f} ms (emit -> marked sent: "
+                f"p50 {lat['relay_p50']:.2f} ms, p99 {lat['relay_p99']:.2f} ms; "
+                f"{lat['relay_transactions']} relay and {lat['consumer_transactions']} consumer "
+                "transactions)")
+        # idle CPU
+        time.sleep(2.0)
+        hz = os.sysconf("SC_CLK_TCK")
+        c0 = [cpu_ticks(p.pid) for p in procs]
+        t = time.monotonic()
+        time.sleep(A.idle_cpu_seconds)
+        c1 = [cpu_ticks(p.pid) for p in procs]
+        secs = time.monotonic() - t
+        for role, a, b in zip(("relay", "consumer"), c0, c1):
+            pct = (b - a) / hz / secs * 100
+            RES.setdefault("idle_cpu_pct", {})[role] = pct
+            log(f"idle CPU {role}: {pct:.3f}% of a core over {secs:.1f}s")
+        note_rss("relay", [relay])
+        note_rss("consumer", [cons])
+    finally:
+        for p in procs:
+            rc = stop(p)
+            if rc != 0:
+                check(f"{p.bench_name} exit code after SIGTERM: {rc}")
+
+
+# ---------------------------------------------------------------------------- phase: claim
+
+
+def bulk_load_sent(n):
+    """n sent rows, fast: the table's indexes are dropped and rebuilt around the load in one
+    transaction (the same definitions, read from the catalog)."""
+    t = time.monotonic()
+    cons = DBX.q("SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint "
+                 "WHERE conrelid = 'event_outbox'::regclass AND contype IN ('p', 'u')")
+    idx = DBX.q("SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'public' AND "
+                "tablename = 'event_outbox' AND indexname NOT IN (SELECT conname FROM "
+                "pg_constraint WHERE conrelid = 'event_outbox'::regclass)")
+    insert = """
+        INSERT INTO event_outbox (event_id, subscription_id, event_type, payload, status,
+                                  attempts, created_at, next_attempt_at, sent_at)
+        SELECT md5('sent-' || i)::uuid, s, 'payment.failed',
+               jsonb_set(p.j, '{subscription_id}', to_jsonb(s)), 'sent', 1,
+               now() - interval '3 days' + i * interval '100 ms',
+               now() - interval '3 days' + i * interval '100 ms',
+               now() - interval '3 days' + i * interval '100 ms' + interval '5 ms'
+          FROM (SELECT jsonb_build_object('invoice_id', gen_random_uuid(),
+                       'subscription_id', gen_random_uuid(), 'amount_cents', 4999,
+                       'currency', 'EUR', 'reason', 'card_declined', 'bench_run', 'sent') j) p,
+               (SELECT i, (%(subs)s::uuid[])[1 + i %% %(nsubs)s] AS s
+                  FROM generate_series(1, %(n)s) i) x"""
+    args = {"subs": loadgen.SUBSCRIPTIONS[:A.subscriptions], "nsubs": A.subscriptions, "n": n}
+    try:
+        DBX.conn.autocommit = False
+        with DBX.conn.cursor() as cur:
+            cur.execute("SET LOCAL maintenance_work_mem = '256MB'")
+            for name, _ in cons:
+                cur.execute(f'ALTER TABLE event_outbox DROP CONSTRAINT "{name}"')
+            for name, _ in idx:
+                cur.execute(f'DROP INDEX "{name}"')
+            cur.execute(insert, args)
+            for name, d in cons:
+                cur.execute(f'ALTER TABLE event_outbox ADD CONSTRAINT "{name}" {d}')
+            for name, d in idx:
+                cur.execute(d)
+        DBX.conn.commit()
+    except psycopg2.Error as e:
+        DBX.conn.rollback()
+        note(f"fast bulk load failed ({str(e).strip()}); inserting with the indexes in place")
+        DBX.conn.autocommit = True
+        DBX.q(insert, args)
+    finally:
+        DBX.conn.autocommit = True
+    DBX.q("VACUUM ANALYZE event_outbox")
+    DBX.q("CHECKPOINT")
+    log(f"loaded {n} sent rows in {time.monotonic() - t:.1f}s")
+
+
+CLAIM_STATS_SQL = """
+    SELECT calls, total_plan_time + total_exec_time, mean_plan_time + mean_exec_time,
+           max_exec_time, rows, query, mean_plan_time, mean_exec_time
+      FROM pg_stat_statements
+     WHERE query ILIKE '%event_outbox%' AND query ~* '^\\s*select'
+       AND (query ILIKE '%skip locked%' OR query ILIKE '%pg_try_advisory%lock%')
+       AND query NOT ILIKE '%pg_stat_statements%'
+     ORDER BY calls DESC, total_exec_time DESC"""
+
+
+def claim_stats():
+    """The relay's claim statements as the server saw them (pg_stat_statements, planning +
+    execution): its SELECTs on event_outbox that take the candidates' advisory locks or lock
+    rows FOR UPDATE SKIP LOCKED. Per claim = their summed time / the fewest calls among them
+    (the claims that found rows; an idle poll runs only the first step: counted in the sum,
+    which errs on the slow side)."""
+    rows = DBX.q(CLAIM_STATS_SQL)
+    stmts = [{"calls": c, "total_ms": t, "mean_ms": m, "mean_plan_ms": mp, "mean_exec_ms": me,
+              "max_exec_ms": mx, "rows": rw, "query": " ".join(q.split())[:600]}
+             for c, t, m, mx, rw, q, mp, me in rows]
+    if not stmts:
+        raise Failure("no claim statement (SELECT on event_outbox with SKIP LOCKED or "
+                      "pg_try_advisory_xact_lock) in pg_stat_statements")
+    claims = min(x["calls"] for x in stmts)
+    return {"claims": claims, "per_batch_ms": sum(x["total_ms"] for x in stmts) / claims,
+            "statements": stmts}
+
+
+def client_claim_ms(path, offset):
+    """claim_ms of the relay's debug "batch committed" lines (JSON log) after offset."""
+    out = []
+    with open(path, "rb") as f:
+        f.seek(offset)
+        for line in f.read().decode(errors="replace").splitlines():
+            try:
+                o = json.loads(line)
+                out.append(float(o["claim_ms"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return out
+
+
+def claim_rounds(label, tag):
+    """The claim as a running relay does it (warm connection): a relay daemon (debug JSON log)
+    drains a warm-up batch; then --rounds times it is paused (SIGSTOP, while idle),
+    --claim-pending rows are emitted, statistics reset, and it is resumed (SIGCONT) to drain
+    them in batches of --batch. Returns the median over the rounds of the cost per claim."""
+    relay = spawn(idem("--log-level", "debug", "--log-format", "json", "relay", "--batch",
+                       str(A.batch)) + shlex.split(A.relay_flags), "relay-claim")
+    runs = []
+    try:
+        emit_backlog(A.batch, f"{tag}-warm", checkpoint=False)
+        wait_for(lambda: not pending_left(), 60, "warm-up batch", [relay], 0.05)
+        for r in range(A.rounds):
+            time.sleep(0.5)  # idle: between polls, in no transaction that matters
+            os.kill(relay.pid, signal.SIGSTOP)
+            try:
+                emit_backlog(A.claim_pending, f"{tag}-{r}", checkpoint=False)
+                DBX.q("SELECT pg_stat_statements_reset()")
+                offset = os.path.getsize(relay.bench_log)
+            finally:
+                os.kill(relay.pid, signal.SIGCONT)
+            wait_for(lambda: not pending_left(), 60, "relay draining the claim backlog",
+                     [relay], 0.02)
+            st = claim_stats()
+            st["client_claim_ms"] = client_claim_ms(relay.bench_log, offset)
+            runs.append(st)
+            cm = st["client_claim_ms"]
+            log(f"claim ({label}, round {r + 1}): {st['per_batch_ms']:.3f} ms per claim on the "
+                f"server over {st['claims']} claims ({len(st['statements'])} statement(s)); "
+                f"the relay's own claim_ms: "
+                f"{statistics.mean(cm) if cm else float('nan'):.1f} over {len(cm)} batches")
+    finally:
+        rc = stop(relay)
+        if rc != 0:
+            check(f"relay (claim phase) exit code after SIGTERM: {rc}")
+    return {"per_batch_ms": statistics.median(x["per_batch_ms"] for x in runs),
+            "rounds": runs}
+
+
+def phase_claim():
+    if not have_idem():
+        return
+    bind_sink()  # somewhere for the relay's messages to go
+    DBX.q("ALTER SYSTEM SET pg_stat_statements.track = 'all'")
+    DBX.q("ALTER SYSTEM SET pg_stat_statements.track_planning = on")
+    DBX.q("SELECT pg_reload_conf()")
+    time.sleep(0.2)
+    try:
+        truncate("event_outbox")
+        RES["claim_base"] = claim_rounds(f"{A.claim_pending} pending, no sent rows", "claim-base")
+        truncate("event_outbox")
+        bulk_load_sent(A.claim_sent)
+        RES["claim_full"] = claim_rounds(f"{A.claim_pending} pending, {A.claim_sent} sent rows",
+                                         "claim-full")
+    finally:
+        DBX.q("ALTER SYSTEM SET pg_stat_statements.track = 'none'")
+        DBX.q("ALTER SYSTEM SET pg_stat_statements.track_planning = off")
+        DBX.q("SELECT pg_reload_conf()")
+        q_admin("bench.sink", "delete")
+        truncate("event_outbox")
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def med(key):
+    v = RES["samples"].get(key)
+    return statistics.median(v) if v else None
+
+
+def fmt(v, unit):
+    if v is None:
+        return "n/a"
+    if unit in ("msg/s", "events/s"):
+        return f"{v:,.0f} {unit}"
+    if unit == "ms":
+        return f"{v:.2f} ms"
+    if unit == "%":
+        return f"{v:.2f} %"
+    if unit == "MiB":
+        return f"{v:.1f} MiB"
+    return f"{v} {unit}"
+
+
+def build_rows():
+    rows = []
+
+    def add(figure, value, unit, base, base_label, base_unit, target, ok_fn, ratio_mode="x"):
+        ratio = None
+        if value is not None and base:
+            ratio = value / base
+        ok = None if ok_fn is None or value is None else bool(ok_fn(value, ratio))
+        if ok_fn is not None and (value is None or (ratio is None and ratio_mode == "x")):
+            ok = None
+        rows.append({"figure": figure, "value": value, "unit": unit, "compared_with": base_label,
+                     "base": base, "base_unit": base_unit, "ratio": ratio, "target": target,
+                     "pass": ok, "judged": ok_fn is not None})
+
+    raw, rec = med("raw_publish"), med("recipe_relay")
+    r1 = med("relay.1")
+    add("relay, 1 process", r1, "msg/s", raw, f"raw confirmed publish, window {A.batch}",
+        "msg/s", ">= 0.8x", lambda v, x: x >= 0.8)
+    add("relay, 1 process", r1, "msg/s", rec, "recipe relay (Python)", "msg/s", ">= 10x",
+        lambda v, x: x >= 10)
+    for k in A.relays:
+        if k != 1:
+            add(f"relay, {k} processes", med(f"relay.{k}"), "msg/s", raw,
+                f"raw confirmed publish, window {A.batch}", "msg/s", "", None)
+    c, dbl, rawc, recc = med("consumer"), med("db_limit"), med("raw_consume"), \
+        med("recipe_consumer")
+    add("consumer (claim + dunning)", c, "events/s", dbl, "set-based SQL, 100/commit",
+        "events/s", ">= 0.25x", lambda v, x: x >= 0.25)
+    add("consumer (claim + dunning)", c, "events/s", 15000, "target", "events/s",
+        ">= 15,000/s", lambda v, x: v >= 15000)
+    add("consumer (claim + dunning)", c, "events/s", rawc, "raw consume + ack (prefetch 200)",
+        "msg/s", "", None)
+    add("consumer (claim + dunning)", c, "events/s", recc, "recipe consumer (Python)",
+        "events/s", ">= 10x", lambda v, x: x >= 10)
+    lats = RES["samples"].get("latency") or []
+    p50 = statistics.median([x["p50"] for x in lats]) if lats else None
+    p99 = statistics.median([x["p99"] for x in lats]) if lats else None
+    mx = max([x["max"] for x in lats]) if lats else None
+    rate = f"{A.lat_rate:,.0f}/s"
+    if lats:
+        got = statistics.median([x["emitter"]["achieved_rate"] for x in lats])
+        if got < 0.95 * A.lat_rate:
+            rate += f" (reached {got:,.0f}/s)"
+    add(f"latency p50 at {rate}", p50, "ms", 5, "target", "ms", "<= 5 ms",
+        lambda v, x: v <= 5)
+    add(f"latency p99 at {rate}", p99, "ms", 25, "target", "ms", "<= 25 ms",
+        lambda v, x: v <= 25)
+    add(f"latency max at {rate}", mx, "ms", None, "", "", "", None)
+    li = RES.get("latency_idle") or {}
+    for k in ("p50", "p99", "max"):
+        add(f"latency {k} idle (one at a time)", li.get(k), "ms", None, "", "", "", None)
+    cpu = RES.get("idle_cpu_pct") or {}
+    sec = f"{A.idle_cpu_seconds:.0f} s"
+    add(f"idle CPU, relay ({sec})", cpu.get("relay"), "%", 1.0, "target", "%", "< 1%",
+        lambda v, x: v < 1.0)
+    add(f"idle CPU, consumer ({sec})", cpu.get("consumer"), "%", 1.0, "target", "%", "< 1%",
+        lambda v, x: v < 1.0)
+    for role in ("relay", "consumer"):
+        v = RES["samples"].get(f"rss_kib.{role}")
+        add(f"peak RSS, {role} (VmHWM)", max(v) / 1024 if v else None, "MiB", 16, "target",
+            "MiB", "< 16 MiB", lambda v, x: v < 16)
+    cf, cb = RES.get("claim_full"), RES.get("claim_base")
+    add(f"claim per batch, {A.claim_sent:,} sent + {A.claim_pending:,} pending",
+        cf and cf["per_batch_ms"], "ms", cb and cb["per_batch_ms"],
+        f"same, {A.claim_pending:,} pending and no sent rows", "ms", "<= 2 ms",
+        lambda v, x: v <= 2)
+    return rows
+
+
+def render(rows, meta):
+    out = ["# idem benchmark", ""]
+    out.append(f"{meta['date']} - {meta['host']} - {meta['cpus']} CPUs - load average "
+               f"{meta['load_start']} at start, {meta['load_end']} at end - "
+               f"{meta['duration_s']:.0f} s")
+    out.append("")
+    busy = max(float(meta["load_start"].split()[0]), float(meta["load_end"].split()[0]))
+    if busy > 0.5 * (meta["cpus"] or 1):
+        out.append(f"**Busy machine** (1-minute load average up to {busy:.1f} on "
+                   f"{meta['cpus']} CPUs): the figures are noisy; take final ones when it is "
+                   "quiet.")
+        out.append("")
+    out.append("| figure | idem | compared with | its value | ratio | target | result |")
+    out.append("|---|---:|---|---:|---:|---|---|")
+    for r in rows:
+        ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        res = "" if not r["judged"] else ("n/a" if r["pass"] is None else
+                                          ("pass" if r["pass"] else "MISS"))
+        base = "" if r["base"] is None else fmt(r["base"], r["base_unit"])
+        out.append(f"| {r['figure']} | {fmt(r['value'], r['unit'])} | {r['compared_with']} | "
+                   f"{base} | {ratio} | {r['target']} | {res} |")
+    out.append("")
+    c = meta["config"]
+    out.append(f"Durable PostgreSQL ({meta['server'].get('server_version', '?')}: fsync, "
+               "synchronous_commit, full_page_writes on), RabbitMQ quorum queues, persistent "
+               "mandatory messages with publisher confirms, all on this machine.")
+    out.append(f"Throughputs: medians of {c['rounds']} round(s) of {c['events']:,} events over "
+               f"{c['subscriptions']} subscriptions, from commit timestamps; relay batch "
+               f"{c['batch']}. The recipe (bench/recipe.py) rounds are capped at "
+               f"{c['recipe_seconds']:g} s. Latency: emit -> consumer commit, medians of "
+               f"{c['lat_rounds']} round(s) of {c['lat_seconds']:g} s at {c['lat_rate']:g}/s "
+               f"(max over all); idle: {c['idle_events']} events {c['idle_gap_ms']:g} ms apart.")
+    for n in RES["notes"]:
+        out.append(f"- note: {n}")
+    for n in RES["checks"]:
+        out.append(f"- check: {n}")
+    for e in RES["errors"]:
+        out.append(f"- ERROR: {e}")
+    return "\n".join(out) + "\n"
+
+
+def load_avg():
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+def main():
+    global A, DBX
+    A = parse_args()
+
+    def on_term(sig, frame):
+        raise KeyboardInterrupt(f"signal {sig}")
+    signal.signal(signal.SIGTERM, on_term)
+
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "host": platform.node(), "cpus": os.cpu_count(), "load_start": load_avg(),
+            "idem": A.idem, "have_idem": None}
+    log(f"load average {meta['load_start']}; logs in {A.logs}")
+    phases = [("relay", phase_relay), ("consumer", phase_consumer),
+              ("latency", phase_latency), ("claim", phase_claim)]
+    try:
+        DBX = DB()
+        setup_server()
+        migrate()
+        meta["have_idem"] = have_idem()
+        if not have_idem():
+            RES["errors"].append(f"{A.idem} missing: idem's figures not measured")
+        for name, fn in phases:
+            if A.only and name not in A.only:
+                continue
+            log(f"--- {name}")
+            try:
+                fn()
+            except Failure as e:
+                log(f"{name} failed: {e}")
+                RES["errors"].append(f"{name}: {e}")
+                stop_all()
+    except KeyboardInterrupt:
+        log("interrupted")
+        stop_all()
+        raise SystemExit(130)
+    finally:
+        stop_all()
+    meta["load_end"] = load_avg()
+    meta["duration_s"] = time.monotonic() - T0
+    meta["server"] = RES.get("server", {})
+    meta["config"] = {k: v for k, v in vars(A).items() if k not in ("only",)}
+    rows = build_rows()
+    md = render(rows, meta)
+    doc = {"meta": meta, "rows": rows, "samples": RES["samples"],
+           "latency_idle": RES.get("latency_idle"), "idle_cpu_pct": RES.get("idle_cpu_pct"),
+           "claim_base": RES.get("claim_base"), "claim_full": RES.get("claim_full"),
+           "notes": RES["notes"], "checks": RES["checks"], "errors": RES["errors"]}
+    os.makedirs(A.out, exist_ok=True)
+    for name, text in (("latest.md", md), ("latest.json", json.dumps(doc, indent=2,
+                                                                      default=str) + "\n")):
+        tmp = os.path.join(A.out, name + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(A.out, name))
+    print(md)
+    log(f"wrote {os.path.join(A.out, 'latest.md')} and latest.json in {meta['duration_s']:.0f}s")
+    return 1 if RES["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
