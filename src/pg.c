@@ -23,13 +23,14 @@ struct idemp_pg {
     PGconn *conn;
     struct prepared prepared[PREPARED_MAX];
     int nprepared;
-    int generation;     /* bumps on every connect */
-    unsigned next_name; /* prepared statement names are never reused on a connection */
-    bool pipeline;      /* in libpq pipeline mode */
-    int first_new;      /* prepared entries from here on were queued in this pipeline */
-    bool paused;        /* pipeline left early by idemp_pg_pipeline_pause */
-    int queued;         /* results not yet read */
-    idem_error_t perr;  /* first error of the pipeline */
+    int generation;          /* bumps on every connect */
+    unsigned next_name;      /* prepared statement names are never reused on a connection */
+    const char *session_sql; /* run after each connect */
+    bool pipeline;           /* in libpq pipeline mode */
+    int first_new;           /* prepared entries from here on were queued in this pipeline */
+    bool paused;             /* pipeline left early by idemp_pg_pipeline_pause */
+    int queued;              /* results not yet read */
+    idem_error_t perr;       /* first error of the pipeline */
 };
 
 static uint64_t fnv1a(const char *s)
@@ -59,6 +60,11 @@ idemp_pg_t *idemp_pg_new(const char *conninfo)
     }
     idemp_pg_where(pg->conninfo, pg->where, sizeof pg->where);
     return pg;
+}
+
+void idemp_pg_set_session_sql(idemp_pg_t *pg, const char *sql)
+{
+    pg->session_sql = sql;
 }
 
 void idemp_pg_disconnect(idemp_pg_t *pg)
@@ -130,6 +136,9 @@ PGconn *idemp_pg_connect_once(const char *conninfo, idem_error_t *err)
     return open_conn(conninfo ? conninfo : "", where, err);
 }
 
+static int check_result(PGconn *conn, PGresult *res, const char *sql, PGresult **out,
+                        idem_error_t *err);
+
 int idemp_pg_connect(idemp_pg_t *pg, idem_error_t *err)
 {
     idemp_pg_disconnect(pg);
@@ -140,6 +149,14 @@ int idemp_pg_connect(idemp_pg_t *pg, idem_error_t *err)
     /* the daemons run short statements on a hot path: JIT compilation would cost more than it
      * saves whenever the planner's estimates on a large outbox cross jit_above_cost */
     PQclear(PQexec(pg->conn, "SET jit = off"));
+    if (pg->session_sql != NULL) {
+        PGresult *res = PQexec(pg->conn, pg->session_sql);
+        int rc = check_result(pg->conn, res, pg->session_sql, NULL, err);
+        if (rc != IDEM_OK) {
+            idemp_pg_disconnect(pg);
+            return rc == IDEM_ERR_PG_LOST ? IDEM_ERR_PG_CONNECT : rc;
+        }
+    }
     return IDEM_OK;
 }
 

@@ -19,6 +19,9 @@ void idemp_pg_free(idemp_pg_t *pg);
 /* One connection attempt (closing any previous connection). IDEM_ERR_PG_CONNECT with the text
  * "cannot connect to PostgreSQL at HOST:PORT: REASON". */
 int idemp_pg_connect(idemp_pg_t *pg, idem_error_t *err);
+/* Session settings sent after every (re)connect, e.g. "SET plan_cache_mode = ...": a constant
+ * string, borrowed. */
+void idemp_pg_set_session_sql(idemp_pg_t *pg, const char *sql);
 void idemp_pg_disconnect(idemp_pg_t *pg);
 bool idemp_pg_connected(const idemp_pg_t *pg);
 PGconn *idemp_pg_conn(idemp_pg_t *pg); /* borrowed; NULL when not connected */

@@ -44,25 +44,30 @@
  * rows that failed before can wait, attempts > 0: the small event_outbox_retrying index). Each
  * row also carries the seq of its subscription's first pending row: step 1 may have skipped a
  * subscription's first rows while another relay still held it and taken later ones after that
- * relay let go, and such a subscription must not be published out of order (see claim_publish). */
+ * relay let go, and such a subscription must not be published out of order (see claim_publish).
+ * The candidates are found by primary key, one LATERAL probe each (OFFSET 0 keeps the planner
+ * from turning that into a walk of the whole pending index), so the cost follows the batch, not
+ * the backlog. */
 #define SQL_CLAIM_ROWS                                                                             \
     "SELECT o.outbox_id, o.event_id, o.subscription_id, o.event_type, o.payload::text,"            \
     "       o.attempts, extract(epoch FROM o.created_at)::bigint, o.seq,"                          \
     "       (SELECT h.seq FROM event_outbox h"                                                     \
     "         WHERE h.subscription_id = o.subscription_id AND h.status = 'pending'"                \
     "         ORDER BY h.seq LIMIT 1)"                                                             \
-    "  FROM event_outbox o"                                                                        \
-    " WHERE o.outbox_id = ANY($1::uuid[]) AND o.status = 'pending'"                                \
-    "   AND o.next_attempt_at <= now()"                                                            \
-    "   AND NOT EXISTS (SELECT 1 FROM event_outbox e"                                              \
+    "  FROM unnest($1::uuid[]) AS c(id)"                                                           \
+    "  CROSS JOIN LATERAL (SELECT * FROM event_outbox x"                                           \
+    "                       WHERE x.outbox_id = c.id AND x.status = 'pending'"                     \
+    "                         AND x.next_attempt_at <= now()"                                      \
+    "                      OFFSET 0 FOR UPDATE SKIP LOCKED) o"                                     \
+    " WHERE NOT EXISTS (SELECT 1 FROM event_outbox e"                                              \
     "                    WHERE e.subscription_id = o.subscription_id AND e.status = 'pending'"     \
     "                      AND e.attempts > 0 AND e.next_attempt_at > now() AND e.seq < o.seq)"    \
-    " ORDER BY o.seq"                                                                              \
-    "   FOR UPDATE OF o SKIP LOCKED"
+    " ORDER BY o.seq"
 
 #define SQL_MARK_SENT                                                                              \
-    "UPDATE event_outbox SET status = 'sent', sent_at = now()"                                     \
-    " WHERE outbox_id = ANY($1::uuid[]) AND status = 'pending'"
+    "UPDATE event_outbox o SET status = 'sent', sent_at = now()"                                   \
+    "  FROM unnest($1::uuid[]) AS c(id)"                                                           \
+    " WHERE o.outbox_id = c.id AND o.status = 'pending'"
 
 /* A nack or return spends one attempt; the row waits base * 2^attempts (capped) or parks. */
 #define SQL_MARK_FAILED                                                                            \
@@ -159,6 +164,9 @@ idem_relay_t *idem_relay_new(const idem_relay_config_t *cfg, idem_error_t *err)
         r->slots[i].pg = idemp_pg_new(r->pg_conninfo);
         if (r->slots[i].rows == NULL || r->slots[i].pg == NULL)
             goto nomem;
+        /* the claim's plans do not depend on its parameters (a batch size, an id array), and
+         * planning it with a 200-element constant array costs more than running it */
+        idemp_pg_set_session_sql(r->slots[i].pg, "SET plan_cache_mode = force_generic_plan");
     }
     r->pg = r->slots[0].pg;
     r->amqp = idemp_amqp_new(r->amqp_url, err);
