@@ -108,8 +108,9 @@ typedef struct slot {
     PGresult *res; /* owns the rows' strings while in flight */
     uint64_t last_tag;
     bool inflight;  /* transaction open, batch published, confirms pending */
+    bool confirmed; /* every published row of the batch is acked, nacked or returned */
     uint64_t order; /* claim order, to settle the oldest first */
-    int64_t t0, t_claim, t_pub;
+    int64_t t0, t_claim, t_pub, t_conf;
 } slot_t;
 
 #define NSLOTS 2
@@ -587,31 +588,43 @@ static int claim_publish(idem_relay_t *r, slot_t *sl, size_t *claimed, idem_erro
     }
     sl->res = res;
     sl->n = n;
+    sl->confirmed = false;
     sl->inflight = true; /* from here the transaction is open until settle or abort */
     sl->order = ++r->claims;
     *claimed = n;
     if (n == 0)
         return IDEM_OK; /* every candidate was taken meanwhile: settle commits the empty batch */
 
-    /* publish the first wave; its confirms are awaited in settle_commit */
+    /* publish the first wave; its confirms are awaited in confirm_slot */
     size_t published;
     rc = publish_wave(r, sl, &published, err);
     sl->t_pub = idemp_now_ms();
     return rc;
 }
 
-/* Waits for sl's confirms, marks its rows and commits. */
-static int settle_commit(idem_relay_t *r, slot_t *sl, idem_error_t *err)
+/* Waits for sl's confirms, publishing the next wave each time, until the batch is settled. */
+static int confirm_slot(idem_relay_t *r, slot_t *sl, idem_error_t *err)
 {
     int rc = IDEM_OK;
-    size_t published = sl->n > 0 ? 1 : 0;
+    size_t published = sl->n > 0 && !sl->confirmed ? 1 : 0;
     while (rc == IDEM_OK && published > 0) {
         rc = idemp_amqp_wait_confirms(r->amqp, sl->last_tag, r->cfg.confirm_timeout_ms, on_confirm,
                                       r, err);
         if (rc == IDEM_OK)
             rc = publish_wave(r, sl, &published, err);
     }
-    int64_t t_conf = idemp_now_ms();
+    if (rc == IDEM_OK) {
+        sl->confirmed = true;
+        sl->t_conf = idemp_now_ms();
+    }
+    return rc;
+}
+
+/* Marks sl's rows by their confirms and commits; its confirms must be in (confirm_slot). */
+static int commit_slot(idem_relay_t *r, slot_t *sl, idem_error_t *err)
+{
+    int rc = confirm_slot(r, sl, err);
+    int64_t t_conf = sl->t_conf;
     uint64_t sent = 0;
     if (rc == IDEM_OK) {
         size_t acked = 0;
@@ -759,18 +772,30 @@ int idem_relay_run(idem_relay_t *r, idem_error_t *err)
             update_gauge(r);
         drain_notifies(r);
         idem_error_t e = {0};
-        /* keep up to NSLOTS batches in flight: claim into free slots, settle the oldest */
+        /* one batch at a time is confirmed by the broker while the next is claimed and
+         * published, then the first is marked and committed: the broker works on batch k+1
+         * while PostgreSQL commits batch k */
         bool claimed_any = false;
         rc = IDEM_OK;
-        while (rc == IDEM_OK && (sl = free_slot(r)) != NULL && !stopping(r)) {
+        slot_t *cur = oldest_inflight(r);
+        if (cur == NULL) {
             size_t claimed = 0;
-            rc = claim_publish(r, sl, &claimed, &e);
-            if (claimed == 0)
-                break;
-            claimed_any = true;
+            cur = free_slot(r);
+            rc = claim_publish(r, cur, &claimed, &e);
+            claimed_any = claimed > 0;
+            if (rc == IDEM_OK && !cur->inflight)
+                cur = NULL; /* nothing due */
         }
-        if (rc == IDEM_OK && (sl = oldest_inflight(r)) != NULL)
-            rc = settle_commit(r, sl, &e);
+        if (rc == IDEM_OK && cur != NULL)
+            rc = confirm_slot(r, cur, &e);
+        slot_t *next = rc == IDEM_OK && cur != NULL && !stopping(r) ? free_slot(r) : NULL;
+        if (next != NULL) {
+            size_t claimed = 0;
+            rc = claim_publish(r, next, &claimed, &e);
+            claimed_any = claimed_any || claimed > 0;
+        }
+        if (rc == IDEM_OK && cur != NULL)
+            rc = commit_slot(r, cur, &e);
         if (rc != IDEM_OK) {
             abort_all(r);
             bool pg_side = rc == IDEM_ERR_PG_LOST || rc == IDEM_ERR_PG_QUERY;
@@ -801,7 +826,7 @@ int idem_relay_run(idem_relay_t *r, idem_error_t *err)
     /* a stop between claim and settle: finish what was published (its confirms, mark, commit) */
     while ((sl = oldest_inflight(r)) != NULL) {
         idem_error_t e = {0};
-        if (settle_commit(r, sl, &e) != IDEM_OK) {
+        if (commit_slot(r, sl, &e) != IDEM_OK) {
             abort_all(r);
             break;
         }
