@@ -41,10 +41,13 @@
 
 /* Step 2, with a snapshot taken after the locks are held: the candidates still pending and
  * due, minus any row behind an earlier row of its subscription that waits for a retry (only
- * rows that failed before can wait, attempts > 0: the small event_outbox_retrying index). Each
- * row also carries the seq of its subscription's first pending row: step 1 may have skipped a
- * subscription's first rows while another relay still held it and taken later ones after that
- * relay let go, and such a subscription must not be published out of order (see claim_publish).
+ * rows that failed before can wait, attempts > 0: the small event_outbox_retrying index).
+ * Step 1 may have skipped some of a subscription's rows while another relay still held it and
+ * taken later ones after that
+ * relay let go (the plan need not test the rows in emit order, so the skipped rows can be
+ * anywhere), so each row also carries the seq of the previous pending row of its subscription,
+ * and a subscription is published only as far as its claimed rows follow each other with no
+ * pending row between them (see claim_publish).
  * The candidates are found by primary key, one LATERAL probe each (OFFSET 0 keeps the planner
  * from turning that into a walk of the whole pending index), so the cost follows the batch, not
  * the backlog. */
@@ -53,7 +56,7 @@
     "       o.attempts, extract(epoch FROM o.created_at)::bigint, o.seq,"                          \
     "       (SELECT h.seq FROM event_outbox h"                                                     \
     "         WHERE h.subscription_id = o.subscription_id AND h.status = 'pending'"                \
-    "         ORDER BY h.seq LIMIT 1)"                                                             \
+    "           AND h.seq < o.seq ORDER BY h.seq DESC LIMIT 1)"                                    \
     "  FROM unnest($1::uuid[]) AS c(id)"                                                           \
     "  CROSS JOIN LATERAL (SELECT * FROM event_outbox x"                                           \
     "                       WHERE x.outbox_id = c.id AND x.status = 'pending'"                     \
@@ -555,27 +558,38 @@ static int claim_publish(idem_relay_t *r, slot_t *sl, size_t *claimed, idem_erro
     }
 
     size_t rows = (size_t)PQntuples(res), n = 0;
+    bool *keep = calloc(rows ? rows : 1, sizeof *keep);
+    if (keep == NULL) {
+        PQclear(res);
+        return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+    }
     for (size_t k = 0; k < rows && n < (size_t)r->cfg.batch; k++) {
         int i = (int)k;
-        /* a subscription is published only from its first pending row on: its first row in
-         * this result must be that row, else the whole subscription waits for a later claim */
+        /* a subscription goes out only as a run of consecutive pending rows from its first one:
+         * a row is kept if the pending row before it is the previous kept row of its
+         * subscription (none for the first); after a gap the rest waits for a later claim */
         const char *sub = PQgetvalue(res, i, 2);
-        bool seen = false;
-        for (size_t j = 0; j < k && !seen; j++)
-            seen = strcmp(PQgetvalue(res, (int)j, 2), sub) == 0;
-        if (!seen && strcmp(PQgetvalue(res, i, 7), PQgetvalue(res, i, 8)) != 0) {
-            const char *kv[] = {"subscription_id", sub, NULL};
+        const char *prev_pending = PQgetisnull(res, i, 8) ? NULL : PQgetvalue(res, i, 8);
+        const char *prev_kept = NULL;
+        bool broken = false;
+        for (size_t j = 0; j < k; j++)
+            if (strcmp(PQgetvalue(res, (int)j, 2), sub) == 0) {
+                if (keep[j])
+                    prev_kept = PQgetvalue(res, (int)j, 7);
+                else
+                    broken = true;
+            }
+        bool follows = prev_kept == NULL
+                           ? prev_pending == NULL
+                           : prev_pending != NULL && strcmp(prev_pending, prev_kept) == 0;
+        if (broken || !follows) {
+            const char *kv[] = {"subscription_id", sub, "event_id", PQgetvalue(res, i, 1), NULL};
             idem_log(IDEM_LOG_DEBUG, LOGC, kv,
-                     "subscription skipped this batch: its first pending row was not claimed");
+                     "left for a later claim: an earlier pending row of its subscription was "
+                     "not claimed");
             continue;
         }
-        if (seen) {
-            bool kept = false;
-            for (size_t j = 0; j < n && !kept; j++)
-                kept = memcmp(sl->rows[j].subscription_id, sub, 36) == 0;
-            if (!kept)
-                continue; /* its subscription was skipped above */
-        }
+        keep[k] = true;
         row_t *row = &sl->rows[n++];
         snprintf(row->outbox_id, sizeof row->outbox_id, "%s", PQgetvalue(res, i, 0));
         snprintf(row->event_id, sizeof row->event_id, "%s", PQgetvalue(res, i, 1));
@@ -591,6 +605,7 @@ static int claim_publish(idem_relay_t *r, slot_t *sl, size_t *claimed, idem_erro
                 break;
             }
     }
+    free(keep);
     sl->res = res;
     sl->n = n;
     sl->confirmed = false;

@@ -430,52 +430,30 @@ class DeadLetters:
 # ----------------------------------------------------------------------------- consumer daemon
 
 
-class Consumer:
-    """A running `idem consume` with its log in a file and metrics on a private port."""
+class Daemon:
+    """A long-running build/idem process with its output in a log file, killed if pytest dies.
+    Subclasses give it its argv; start/stop/kill/log/wait_exit are shared."""
 
-    def __init__(self, name, queue, db, servers, broker, workdir, args=(), fault=None, env=None,
-                 metrics=True):
+    def __init__(self, name, argv, db, servers, workdir, fault=None, env=None):
         self.name = name
-        self.queue = queue
-        self.db = db
-        self.servers = servers
-        self.broker = broker
-        self.metrics_port = free_port() if metrics else None
-        self.argv = [IDEM, "consume", "--consumer", name, "--queue", queue, *args]
-        if self.metrics_port:
-            self.argv += ["--metrics-port", str(self.metrics_port)]
+        self.argv = argv
         self.env = dict(os.environ, IDEM_PG_URL=db.url, IDEM_AMQP_URL=servers.amqp_url)
         self.env.pop("IDEM_FAULT", None)
         if fault:
             self.env["IDEM_FAULT"] = fault
         if env:
             self.env.update(env)
-        self.logpath = os.path.join(workdir, f"consume-{name}-{uuid.uuid4().hex[:6]}.log")
+        self.logpath = os.path.join(workdir, f"{name}-{uuid.uuid4().hex[:6]}.log")
         self.proc = None
+        self.logfile = None
 
-    def start(self, wait_ready=True):
+    def spawn(self):
         assert not self.running(), "already running"
         self.logfile = open(self.logpath, "ab")
         self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL,
                                      stdout=self.logfile, stderr=subprocess.STDOUT,
                                      preexec_fn=_die_with_parent)
-        if wait_ready:
-            self.wait_ready()
         return self
-
-    def wait_ready(self, timeout=20):
-        """Ready = the queue exists and this process has a basic.consume on it (so its bindings
-        are in place: publishing to the exchange reaches it)."""
-
-        def ready():
-            if self.proc.poll() is not None:
-                raise AssertionError(f"consumer exited with {self.proc.returncode}:\n{self.log()}")
-            info = self.broker.queue_info(self.queue)
-            return info is not None and info[1] >= 1
-
-        wait_until(ready, timeout, 0.1, f"consumer {self.name} consuming from {self.queue}")
-        if self.metrics_port:
-            wait_until(lambda: self.try_metrics() is not None, 10, 0.1, "metrics endpoint")
 
     def running(self):
         return self.proc is not None and self.proc.poll() is None
@@ -494,7 +472,7 @@ class Consumer:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"consumer {self.name} still running after {timeout}s:\n"
+            raise AssertionError(f"{self.name} still running after {timeout}s:\n"
                                  f"{self.log()[-3000:]}")
 
     def stop(self, timeout=15):
@@ -503,17 +481,58 @@ class Consumer:
             return None
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        rc = self.wait_exit(timeout)
-        self.logfile.close()
-        return rc
+        try:
+            return self.wait_exit(timeout)
+        finally:
+            self.close()
 
     def kill(self):
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
-        if self.proc is not None:
+        self.close()
+
+    def close(self):
+        if self.logfile is not None:
             with contextlib.suppress(Exception):
                 self.logfile.close()
+
+
+class Consumer(Daemon):
+    """A running `idem consume` with its log in a file and metrics on a private port."""
+
+    def __init__(self, name, queue, db, servers, broker, workdir, args=(), fault=None, env=None,
+                 metrics=True):
+        self.queue = queue
+        self.db = db
+        self.servers = servers
+        self.broker = broker
+        self.metrics_port = free_port() if metrics else None
+        argv = [IDEM, "consume", "--consumer", name, "--queue", queue, *args]
+        if self.metrics_port:
+            argv += ["--metrics-port", str(self.metrics_port)]
+        super().__init__(name, argv, db, servers, workdir, fault, env)
+        self.logpath = os.path.join(workdir, f"consume-{name}-{uuid.uuid4().hex[:6]}.log")
+
+    def start(self, wait_ready=True):
+        self.spawn()
+        if wait_ready:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout=20):
+        """Ready = the queue exists and this process has a basic.consume on it (so its bindings
+        are in place: publishing to the exchange reaches it)."""
+
+        def ready():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"consumer exited with {self.proc.returncode}:\n{self.log()}")
+            info = self.broker.queue_info(self.queue)
+            return info is not None and info[1] >= 1
+
+        wait_until(ready, timeout, 0.1, f"consumer {self.name} consuming from {self.queue}")
+        if self.metrics_port:
+            wait_until(lambda: self.try_metrics() is not None, 10, 0.1, "metrics endpoint")
 
     # Metrics (Prometheus text).
     def try_metrics(self):

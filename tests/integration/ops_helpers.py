@@ -5,17 +5,14 @@ outbox and the ledger, a relay daemon with metrics, and a Prometheus text parser
 
 import contextlib
 import json
-import os
 import re
-import signal
-import subprocess
 import urllib.error
 import urllib.request
 import uuid
 
 import pytest
 
-from conftest import IDEM, _die_with_parent, free_port, payload, run_idem, wait_until
+from conftest import IDEM, Daemon, free_port, payload, run_idem, wait_until
 
 
 def idem(db, servers, *args, **kw):
@@ -148,22 +145,16 @@ def value(parsed, name, **labels):
 # ----------------------------------------------------------------------------- relay daemon
 
 
-class Relay:
+class Relay(Daemon):
     """A running `idem relay` (daemon) with metrics on a private port."""
 
     def __init__(self, db, servers, workdir, args=()):
         self.metrics_port = free_port()
-        self.argv = [IDEM, "relay", "--metrics-port", str(self.metrics_port), *args]
-        self.env = dict(os.environ, IDEM_PG_URL=db.url, IDEM_AMQP_URL=servers.amqp_url)
-        self.env.pop("IDEM_FAULT", None)
-        self.logpath = os.path.join(workdir, f"relay-{uuid.uuid4().hex[:6]}.log")
-        self.proc = None
+        super().__init__("relay", [IDEM, "relay", "--metrics-port", str(self.metrics_port), *args],
+                         db, servers, workdir)
 
     def start(self):
-        self.logfile = open(self.logpath, "ab")
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL,
-                                     stdout=self.logfile, stderr=subprocess.STDOUT,
-                                     preexec_fn=_die_with_parent)
+        self.spawn()
         wait_until(self._up, 15, 0.1, "relay metrics endpoint")
         return self
 
@@ -179,28 +170,12 @@ class Relay:
         assert status == 200
         return parse_prometheus(text)
 
-    def log(self):
-        try:
-            with open(self.logpath, "rb") as f:
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
-
     def stop(self, timeout=15):
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
         try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-            raise AssertionError(f"relay still running after SIGTERM:\n{self.log()[-3000:]}")
-        finally:
-            with contextlib.suppress(Exception):
-                self.logfile.close()
-        return rc
+            return super().stop(timeout)
+        except AssertionError:
+            self.kill()
+            raise
 
 
 @pytest.fixture

@@ -8,15 +8,12 @@ fails)."""
 import contextlib
 import hashlib
 import json
-import os
-import signal
-import subprocess
 import time
 import uuid
 
 import pytest
 
-from conftest import EXCHANGE, IDEM, _die_with_parent, run_idem, wait_until
+from conftest import EXCHANGE, IDEM, Daemon, run_idem, wait_until
 
 # ----------------------------------------------------------------------------- ids and emitting
 
@@ -156,26 +153,15 @@ def relay_once(db, servers, *args, fault=None, timeout=60):
                 timeout=timeout)
 
 
-class RelayDaemon:
+class RelayDaemon(Daemon):
     """A running `idem relay` (daemon, --log-level debug) with its log in a file."""
 
     def __init__(self, db, servers, workdir, args=(), fault=None, name="relay"):
-        self.name = name
-        self.argv = [IDEM, "relay", "--log-level", "debug", *args]
-        self.env = dict(os.environ, IDEM_PG_URL=db.url, IDEM_AMQP_URL=servers.amqp_url)
-        self.env.pop("IDEM_FAULT", None)
-        if fault:
-            self.env["IDEM_FAULT"] = fault
-        self.logpath = os.path.join(workdir, f"{name}-{uuid.uuid4().hex[:6]}.log")
-        self.proc = None
-        self.logfile = None
+        super().__init__(name, [IDEM, "relay", "--log-level", "debug", *args], db, servers,
+                         workdir, fault)
 
     def start(self, wait_ready=False, timeout=15):
-        assert not self.running(), "already running"
-        self.logfile = open(self.logpath, "ab")
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL,
-                                     stdout=self.logfile, stderr=subprocess.STDOUT,
-                                     preexec_fn=_die_with_parent)
+        self.spawn()
         if wait_ready:
             self.wait_ready(timeout)
         return self
@@ -190,16 +176,6 @@ class RelayDaemon:
 
         wait_until(ready, timeout, 0.05, f"{self.name} connected to both servers")
 
-    def running(self):
-        return self.proc is not None and self.proc.poll() is None
-
-    def log(self):
-        try:
-            with open(self.logpath, "rb") as f:
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
-
     def batches(self):
         """[(claimed, sent)] of the 'batch committed' debug lines."""
         out = []
@@ -212,35 +188,6 @@ class RelayDaemon:
 
     def sent(self):
         return sum(s for _, s in self.batches())
-
-    def wait_exit(self, timeout=15):
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"{self.name} still running after {timeout}s:\n"
-                                 f"{self.log()[-3000:]}")
-
-    def stop(self, timeout=15):
-        """SIGTERM and wait; returns the exit status."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.wait_exit(timeout)
-        finally:
-            self.close()
-
-    def kill(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.close()
-
-    def close(self):
-        if self.logfile is not None:
-            with contextlib.suppress(Exception):
-                self.logfile.close()
 
 
 @pytest.fixture
