@@ -183,11 +183,6 @@ const char *idemp_amqp_where(const idemp_amqp_t *a)
     return a->where;
 }
 
-int idemp_amqp_fd(const idemp_amqp_t *a)
-{
-    return a->conn ? amqp_get_sockfd(a->conn) : -1;
-}
-
 /* Text for a failed RPC reply; *lost tells a dead socket from a broker refusal. */
 static void reply_text(amqp_rpc_reply_t r, char *out, size_t sz, bool *lost)
 {

@@ -37,7 +37,6 @@ int idemp_amqp_connect(idemp_amqp_t *a, bool confirms, idem_error_t *err);
 void idemp_amqp_disconnect(idemp_amqp_t *a);
 bool idemp_amqp_connected(const idemp_amqp_t *a);
 const char *idemp_amqp_where(const idemp_amqp_t *a);
-int idemp_amqp_fd(const idemp_amqp_t *a);
 
 int idemp_amqp_declare_exchange(idemp_amqp_t *a, const char *name, idem_error_t *err);
 /* Durable queue; quorum selects x-queue-type=quorum; dlq (optional) names the queue that the
