@@ -146,7 +146,7 @@ install: all
 	sed -e 's|@PREFIX@|$(PREFIX)|g' idem.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/idem.pc
 
 FORMAT_FILES = $(wildcard src/*.c src/*.h src/cli/*.c src/cli/*.h include/idem/*.h \
-	handlers/*.c handlers/*.h tests/unit/*.c bench/*.c)
+	handlers/*.c handlers/*.h tests/unit/*.c bench/*.c bench/*.h)
 
 format:
 	clang-format -i $(FORMAT_FILES)

@@ -20,53 +20,8 @@
 #include <time.h>
 #include <sys/time.h>
 
-#include <amqp.h>
-#include <amqp_framing.h>
-#include <amqp_tcp_socket.h>
-
-#define CH 1
-
-static amqp_connection_state_t conn;
-
-static void die(const char *what, const char *detail)
-{
-    fprintf(stderr, "raw_consume: %s: %s\n", what, detail ? detail : "failed");
-    exit(1);
-}
-
-/* 0: normal; 404 when the server closed the channel with NOT_FOUND and allow_404 is set */
-static int check_reply(const char *what, int allow_404)
-{
-    amqp_rpc_reply_t r = amqp_get_rpc_reply(conn);
-    if (r.reply_type == AMQP_RESPONSE_NORMAL)
-        return 0;
-    if (r.reply_type == AMQP_RESPONSE_LIBRARY_EXCEPTION)
-        die(what, amqp_error_string2(r.library_error));
-    if (r.reply_type == AMQP_RESPONSE_SERVER_EXCEPTION && r.reply.id == AMQP_CHANNEL_CLOSE_METHOD) {
-        amqp_channel_close_t *m = r.reply.decoded;
-        if (allow_404 && m->reply_code == 404)
-            return 404;
-        fprintf(stderr, "raw_consume: %s: channel closed: %.*s\n", what, (int)m->reply_text.len,
-                (char *)m->reply_text.bytes);
-        exit(1);
-    }
-    if (r.reply_type == AMQP_RESPONSE_SERVER_EXCEPTION &&
-        r.reply.id == AMQP_CONNECTION_CLOSE_METHOD) {
-        amqp_connection_close_t *m = r.reply.decoded;
-        fprintf(stderr, "raw_consume: %s: connection closed: %.*s\n", what, (int)m->reply_text.len,
-                (char *)m->reply_text.bytes);
-        exit(1);
-    }
-    die(what, "unexpected reply");
-    return 1;
-}
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
+#define RAW_TOOL "raw_consume"
+#include "raw_common.h"
 
 static void usage(void)
 {
@@ -121,25 +76,7 @@ int main(int argc, char **argv)
     if (url == NULL || *url == '\0')
         url = "amqp://guest:guest@127.0.0.1:5672";
 
-    struct amqp_connection_info ci;
-    char *url_copy = strdup(url);
-    if (amqp_parse_url(url_copy, &ci) != AMQP_STATUS_OK)
-        die("bad URL", url);
-    const char *vhost = (ci.vhost == NULL || *ci.vhost == '\0') ? "/" : ci.vhost;
-    conn = amqp_new_connection();
-    amqp_socket_t *sock = amqp_tcp_socket_new(conn);
-    if (sock == NULL)
-        die("socket", NULL);
-    struct timeval cto = {10, 0};
-    int rc = amqp_socket_open_noblock(sock, ci.host, ci.port, &cto);
-    if (rc != AMQP_STATUS_OK)
-        die("connect", amqp_error_string2(rc));
-    amqp_rpc_reply_t lr =
-        amqp_login(conn, vhost, 0, 131072, 0, AMQP_SASL_METHOD_PLAIN, ci.user, ci.password);
-    if (lr.reply_type != AMQP_RESPONSE_NORMAL)
-        die("login", "refused or failed");
-    amqp_channel_open(conn, CH);
-    check_reply("channel.open", 0);
+    raw_connect(url);
 
     if (strcmp(action, "declare") == 0) {
         amqp_table_entry_t e[1];
@@ -148,11 +85,11 @@ int main(int argc, char **argv)
         e[0].value.value.bytes = amqp_cstring_bytes("quorum");
         amqp_table_t args = {1, e};
         amqp_queue_declare(conn, CH, amqp_cstring_bytes(queue), 0, 1, 0, 0, args);
-        check_reply("queue.declare", 0);
+        check_reply_404("queue.declare", 0);
         printf("{\"declared\":\"%s\"}\n", queue);
     } else if (strcmp(action, "purge") == 0) {
         amqp_queue_purge_ok_t *ok = amqp_queue_purge(conn, CH, amqp_cstring_bytes(queue));
-        if (check_reply("queue.purge", 1) == 404) {
+        if (check_reply_404("queue.purge", 1) == 404) {
             printf("{\"purged\":-1}\n");
             amqp_connection_close(conn, AMQP_REPLY_SUCCESS);
             amqp_destroy_connection(conn);
@@ -162,7 +99,7 @@ int main(int argc, char **argv)
         printf("{\"purged\":%u}\n", n);
     } else if (strcmp(action, "delete") == 0) {
         amqp_queue_delete_ok_t *ok = amqp_queue_delete(conn, CH, amqp_cstring_bytes(queue), 0, 0);
-        if (check_reply("queue.delete", 1) == 404) {
+        if (check_reply_404("queue.delete", 1) == 404) {
             printf("{\"deleted\":0}\n");
             amqp_connection_close(conn, AMQP_REPLY_SUCCESS);
             amqp_destroy_connection(conn);
@@ -173,7 +110,7 @@ int main(int argc, char **argv)
     } else if (strcmp(action, "depth") == 0) {
         amqp_queue_declare_ok_t *ok =
             amqp_queue_declare(conn, CH, amqp_cstring_bytes(queue), 1, 0, 0, 0, amqp_empty_table);
-        if (check_reply("queue.declare(passive)", 1) == 404) {
+        if (check_reply_404("queue.declare(passive)", 1) == 404) {
             printf("{\"messages\":-1,\"consumers\":0}\n");
             amqp_connection_close(conn, AMQP_REPLY_SUCCESS);
             amqp_destroy_connection(conn);
@@ -183,10 +120,10 @@ int main(int argc, char **argv)
         printf("{\"messages\":%u,\"consumers\":%u}\n", m, c);
     } else {
         amqp_basic_qos(conn, CH, 0, (uint16_t)prefetch, 0);
-        check_reply("basic.qos", 0);
+        check_reply_404("basic.qos", 0);
         amqp_basic_consume(conn, CH, amqp_cstring_bytes(queue), amqp_empty_bytes, 0, 0, 0,
                            amqp_empty_table);
-        check_reply("basic.consume", 0);
+        check_reply_404("basic.consume", 0);
         double t_start = now_s(), t_last = t_start;
         long got = 0, unacked = 0;
         uint64_t last_tag = 0;
@@ -246,6 +183,6 @@ int main(int argc, char **argv)
     amqp_channel_close(conn, CH, AMQP_REPLY_SUCCESS);
     amqp_connection_close(conn, AMQP_REPLY_SUCCESS);
     amqp_destroy_connection(conn);
-    free(url_copy);
+
     return 0;
 }

@@ -26,51 +26,9 @@
 #include <unistd.h>
 #include <sys/time.h>
 
-#include <amqp.h>
-#include <amqp_framing.h>
-#include <amqp_tcp_socket.h>
+#define RAW_TOOL "raw_publish"
+#include "raw_common.h"
 
-#define CH 1
-
-static amqp_connection_state_t conn;
-
-static void die(const char *what, const char *detail)
-{
-    fprintf(stderr, "raw_publish: %s: %s\n", what, detail ? detail : "failed");
-    exit(1);
-}
-
-static void check_reply(const char *what)
-{
-    amqp_rpc_reply_t r = amqp_get_rpc_reply(conn);
-    if (r.reply_type == AMQP_RESPONSE_NORMAL)
-        return;
-    if (r.reply_type == AMQP_RESPONSE_LIBRARY_EXCEPTION)
-        die(what, amqp_error_string2(r.library_error));
-    if (r.reply_type == AMQP_RESPONSE_SERVER_EXCEPTION && r.reply.id == AMQP_CHANNEL_CLOSE_METHOD) {
-        amqp_channel_close_t *m = r.reply.decoded;
-        fprintf(stderr, "raw_publish: %s: channel closed: %.*s\n", what, (int)m->reply_text.len,
-                (char *)m->reply_text.bytes);
-        exit(1);
-    }
-    if (r.reply_type == AMQP_RESPONSE_SERVER_EXCEPTION &&
-        r.reply.id == AMQP_CONNECTION_CLOSE_METHOD) {
-        amqp_connection_close_t *m = r.reply.decoded;
-        fprintf(stderr, "raw_publish: %s: connection closed: %.*s\n", what, (int)m->reply_text.len,
-                (char *)m->reply_text.bytes);
-        exit(1);
-    }
-    die(what, "unexpected reply");
-}
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
-/* xorshift64*: fast, good enough for distinct ids within a run */
 static uint64_t rng_state;
 static uint64_t rng(void)
 {
@@ -159,32 +117,13 @@ int main(int argc, char **argv)
     rng_state = ((uint64_t)tv0.tv_sec * 1000003u) ^ (uint64_t)tv0.tv_usec ^
                 ((uint64_t)getpid() << 32) ^ 0x9E3779B97F4A7C15ULL;
 
-    struct amqp_connection_info ci;
-    char *url_copy = strdup(url);
-    if (amqp_parse_url(url_copy, &ci) != AMQP_STATUS_OK)
-        die("bad URL", url);
-    const char *vhost = (ci.vhost == NULL || *ci.vhost == '\0') ? "/" : ci.vhost;
-
-    conn = amqp_new_connection();
-    amqp_socket_t *sock = amqp_tcp_socket_new(conn);
-    if (sock == NULL)
-        die("socket", NULL);
-    struct timeval cto = {10, 0};
-    int rc = amqp_socket_open_noblock(sock, ci.host, ci.port, &cto);
-    if (rc != AMQP_STATUS_OK)
-        die("connect", amqp_error_string2(rc));
-    amqp_rpc_reply_t lr =
-        amqp_login(conn, vhost, 0, 131072, 0, AMQP_SASL_METHOD_PLAIN, ci.user, ci.password);
-    if (lr.reply_type != AMQP_RESPONSE_NORMAL)
-        die("login", "refused or failed");
-    amqp_channel_open(conn, CH);
-    check_reply("channel.open");
+    raw_connect(url);
     amqp_confirm_select(conn, CH);
-    check_reply("confirm.select");
+    check_reply_404("confirm.select", 0);
     if (*exchange != '\0') {
         amqp_exchange_declare(conn, CH, amqp_cstring_bytes(exchange), amqp_cstring_bytes("topic"),
                               0, 1, 0, 0, amqp_empty_table);
-        check_reply("exchange.declare");
+        check_reply_404("exchange.declare", 0);
     }
     if (queue != NULL) {
         amqp_table_entry_t e[1];
@@ -193,11 +132,11 @@ int main(int argc, char **argv)
         e[0].value.value.bytes = amqp_cstring_bytes("quorum");
         amqp_table_t args = {1, e};
         amqp_queue_declare(conn, CH, amqp_cstring_bytes(queue), 0, 1, 0, 0, args);
-        check_reply("queue.declare");
+        check_reply_404("queue.declare", 0);
         if (*exchange != '\0') {
             amqp_queue_bind(conn, CH, amqp_cstring_bytes(queue), amqp_cstring_bytes(exchange),
                             amqp_cstring_bytes(rkey), amqp_empty_table);
-            check_reply("queue.bind");
+            check_reply_404("queue.bind", 0);
         }
     }
 
@@ -258,8 +197,8 @@ int main(int argc, char **argv)
             p.headers.num_entries = 3;
             p.headers.entries = h;
             amqp_bytes_t b = {(size_t)len, body};
-            rc = amqp_basic_publish(conn, CH, amqp_cstring_bytes(exchange),
-                                    amqp_cstring_bytes(rkey), 1, 0, &p, b);
+            int rc = amqp_basic_publish(conn, CH, amqp_cstring_bytes(exchange),
+                                        amqp_cstring_bytes(rkey), 1, 0, &p, b);
             if (rc != AMQP_STATUS_OK)
                 die("basic.publish", amqp_error_string2(rc));
             next_tag++;
@@ -272,7 +211,7 @@ int main(int argc, char **argv)
         while (left > 0) {
             amqp_frame_t f;
             struct timeval wt = {30, 0};
-            rc = amqp_simple_wait_frame_noblock(conn, &f, &wt);
+            int rc = amqp_simple_wait_frame_noblock(conn, &f, &wt);
             if (rc == AMQP_STATUS_TIMEOUT)
                 die("confirms", "none within 30 s");
             if (rc != AMQP_STATUS_OK)
@@ -343,6 +282,6 @@ int main(int argc, char **argv)
     amqp_destroy_connection(conn);
     free(subs);
     free(done);
-    free(url_copy);
+
     return (returned || nacked) ? 1 : 0;
 }
