@@ -498,6 +498,20 @@ class Daemon:
                 self.logfile.close()
 
 
+def finish_daemons(daemons, request=None, tail=8000):
+    """Fixture teardown: SIGTERM (then SIGKILL) every daemon; if the test failed, print the end
+    of each one's log."""
+    for d in daemons:
+        if d.running():
+            with contextlib.suppress(Exception):
+                d.stop(10)
+        d.kill()
+    rep = getattr(request.node, "rep_call", None) if request is not None else None
+    if rep is not None and rep.failed:
+        for d in daemons:
+            print(f"\n----- log of {d.name} ({d.logpath}):\n{d.log()[-tail:]}")
+
+
 class Consumer(Daemon):
     """A running `idem consume` with its log in a file and metrics on a private port."""
 
@@ -599,15 +613,7 @@ def consumers(servers, broker, tmp_path, request):
         return c
 
     yield make
-    for c in started:
-        if c.running():
-            with contextlib.suppress(Exception):
-                c.stop(10)
-        c.kill()
-    rep = getattr(request.node, "rep_call", None)
-    if rep is not None and rep.failed:
-        for c in started:
-            print(f"\n----- log of consumer {c.name} ({c.logpath}):\n{c.log()[-6000:]}")
+    finish_daemons(started, request)
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from conftest import IDEM, Daemon, free_port, payload, run_idem, wait_until
+from conftest import IDEM, Daemon, finish_daemons, free_port, payload, run_idem, wait_until
 
 
 def idem(db, servers, *args, **kw):
@@ -179,7 +179,7 @@ class Relay(Daemon):
 
 
 @pytest.fixture
-def relays(db, servers, tmp_path):
+def relays(db, servers, tmp_path, request):
     """Factory: relays(args=[...]) -> a started Relay; stopped after the test."""
     started = []
 
@@ -189,11 +189,7 @@ def relays(db, servers, tmp_path):
         return r.start()
 
     yield make
-    for r in started:
-        with contextlib.suppress(Exception):
-            r.stop(10)
-        if r.proc is not None and r.proc.poll() is None:
-            r.proc.kill()
+    finish_daemons(started, request)
 
 
 __all__ = ["idem", "stderr_line", "closed_port", "add_outbox", "add_ledger", "outbox_ids",

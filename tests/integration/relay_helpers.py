@@ -5,7 +5,6 @@ through idem_emit, declaring a consumer's queue exactly as `idem consume` does, 
 whole, `idem relay --once` runs and relay daemons with debug logs in files (printed when a test
 fails)."""
 
-import contextlib
 import hashlib
 import json
 import time
@@ -13,7 +12,7 @@ import uuid
 
 import pytest
 
-from conftest import EXCHANGE, IDEM, Daemon, run_idem, wait_until
+from conftest import EXCHANGE, IDEM, Daemon, finish_daemons, run_idem, wait_until
 
 # ----------------------------------------------------------------------------- ids and emitting
 
@@ -204,15 +203,7 @@ def relay_daemons(db, servers, tmp_path, request):
         return r
 
     yield make
-    for r in made:
-        if r.running():
-            with contextlib.suppress(Exception):
-                r.stop(10)
-        r.kill()
-    rep = getattr(request.node, "rep_call", None)
-    if rep is not None and rep.failed:
-        for r in made:
-            print(f"\n----- log of {r.name} ({r.logpath}):\n{r.log()[-8000:]}")
+    finish_daemons(made, request)
 
 
 __all__ = ["md5_uuid", "emit", "emit_many", "outbox", "status_counts", "wait_all_sent",
