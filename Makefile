@@ -6,7 +6,7 @@ BUILD ?= build
 CC ?= cc
 SAN ?=
 
-PKGS := libpq librabbitmq jansson libmicrohttpd
+PKGS := libpq librabbitmq jansson libmicrohttpd openssl
 PKG_CFLAGS = $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 PKG_LIBS = $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 
@@ -31,12 +31,17 @@ LIB_SRCS := \
 	src/fault.c \
 	src/pg.c \
 	src/rmq.c \
+	src/rmq_msg.c \
 	src/envelope.c \
 	src/registry.c \
+	src/policy.c \
 	src/event.c \
 	src/consumer.c \
+	src/consumer_tx.c \
+	src/consumer_window.c \
 	src/outbox.c \
 	src/relay.c \
+	src/relay_batch.c \
 	src/migrate.c \
 	src/retain.c \
 	src/status.c \

@@ -33,16 +33,27 @@ static void show(idemp_str_t s, char *out, size_t sz)
     out[o] = '\0';
 }
 
+bool idemp_envelope_timestamp(uint64_t raw, int64_t now_ms, int64_t *out_s)
+{
+    if (raw > (uint64_t)INT64_MAX)
+        return false;
+    int64_t ts = (int64_t)raw;
+    if (ts > now_ms / 1000 + 86400)
+        return false;
+    *out_s = ts;
+    return true;
+}
+
 idemp_dl_code idemp_envelope_parse(const idemp_envelope_in_t *in, int64_t max_bytes, int64_t now_ms,
-                                   int64_t window_ms, idemp_envelope_t *out, char *detail,
-                                   size_t detail_sz)
+                                   idemp_envelope_t *out, char *detail, size_t detail_sz)
 {
     char buf[80];
     memset(out, 0, sizeof *out);
     detail[0] = '\0';
 
-    if ((int64_t)in->body_len > max_bytes) {
-        snprintf(detail, detail_sz, "body is %zu bytes, limit %lld", in->body_len,
+    uint64_t size = in->body != NULL ? in->body_len : in->body_size;
+    if (size > (uint64_t)max_bytes) {
+        snprintf(detail, detail_sz, "body is %llu bytes, limit %lld", (unsigned long long)size,
                  (long long)max_bytes);
         return IDEMP_DL_OVERSIZED;
     }
@@ -97,17 +108,18 @@ idemp_dl_code idemp_envelope_parse(const idemp_envelope_in_t *in, int64_t max_by
         return IDEMP_DL_INVALID_PAYLOAD;
     }
 
-    if (in->has_timestamp && window_ms > 0) {
-        int64_t age_ms = now_ms - in->timestamp_s * 1000;
-        if (age_ms > window_ms) {
-            snprintf(detail, detail_sz,
-                     "timestamp is %lld s old, older than the dedup window of %lld s",
-                     (long long)(age_ms / 1000), (long long)(window_ms / 1000));
-            json_decref(doc);
-            return IDEMP_DL_STALE;
-        }
-    }
+    out->has_timestamp =
+        in->has_timestamp && idemp_envelope_timestamp(in->timestamp, now_ms, &out->timestamp_s);
+    out->has_seq = in->has_seq;
+    out->seq = in->seq;
 
+    /* the order key: the relay's header names the subscription even when the payload does not */
+    if (present(in->hdr_subscription_id) &&
+        idemp_uuid_normalize(in->hdr_subscription_id.ptr, in->hdr_subscription_id.len,
+                             out->subscription_id)) {
+        out->payload = doc;
+        return IDEMP_DL_NONE;
+    }
     const char *sub = json_string_value(json_object_get(doc, "subscription_id"));
     if (sub == NULL || !idemp_uuid_normalize(sub, strlen(sub), out->subscription_id))
         out->subscription_id[0] = '\0';

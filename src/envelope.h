@@ -40,25 +40,38 @@ typedef struct idemp_envelope_in {
     idemp_str_t type;           /* property */
     idemp_str_t hdr_event_type; /* header "event_type" */
     idemp_str_t routing_key;
+    idemp_str_t hdr_subscription_id; /* header "subscription_id" */
+    bool has_seq;                    /* header "x-idem-seq", an integer */
+    int64_t seq;
     bool has_timestamp;
-    int64_t timestamp_s;
-    const char *body;
+    uint64_t timestamp; /* the property as sent: seconds since the epoch, unsigned */
+    const char *body;   /* NULL when the body was not read (oversized) */
     size_t body_len;
+    uint64_t body_size; /* as declared by the content header */
 } idemp_envelope_in_t;
 
 typedef struct idemp_envelope {
     char event_id[37]; /* lowercase canonical */
     char event_type[256];
     json_t *payload;          /* new reference: a JSON object */
-    char subscription_id[37]; /* payload's subscription_id when it is a UUID, else "" */
+    char subscription_id[37]; /* the subscription_id header, else the payload's, when a UUID */
+    bool has_seq;
+    int64_t seq;
+    bool has_timestamp; /* a usable timestamp: not negative, at most a day ahead of now */
+    int64_t timestamp_s;
 } idemp_envelope_t;
 
 /* Validates in. On IDEMP_DL_NONE, out is filled (caller json_decrefs out->payload). Otherwise
- * detail receives the reason and out->payload is NULL. now_ms is wall-clock time; a delivery
- * whose timestamp is older than window_ms is stale (no timestamp: never stale). The event type
- * is not checked against handlers here (the caller knows them). */
+ * detail receives the reason and out->payload is NULL. now_ms is wall-clock time, only used to
+ * tell a usable timestamp (see idemp_envelope_timestamp). The event type is not checked against
+ * handlers here (the caller knows them), nor is the age against the dedup window: that is
+ * decided by the database clock, in the claim. */
 idemp_dl_code idemp_envelope_parse(const idemp_envelope_in_t *in, int64_t max_bytes, int64_t now_ms,
-                                   int64_t window_ms, idemp_envelope_t *out, char *detail,
-                                   size_t detail_sz);
+                                   idemp_envelope_t *out, char *detail, size_t detail_sz);
+
+/* A timestamp property is usable when it is not negative as a signed 64-bit number and at most a
+ * day after now (seconds, milliseconds or nanoseconds sent by mistake land far in the future);
+ * an unusable one counts as absent. */
+bool idemp_envelope_timestamp(uint64_t raw, int64_t now_ms, int64_t *out_s);
 
 #endif

@@ -9,22 +9,24 @@
 #include "mask.h"
 
 static const char *const status_text[] = {
-    "success",                       /* IDEM_OK */
-    "out of memory",                 /* IDEM_ERR_NOMEM */
-    "invalid argument",              /* IDEM_ERR_INVALID */
-    "cannot connect to PostgreSQL",  /* IDEM_ERR_PG_CONNECT */
-    "PostgreSQL statement failed",   /* IDEM_ERR_PG_QUERY */
-    "PostgreSQL connection lost",    /* IDEM_ERR_PG_LOST */
-    "cannot connect to RabbitMQ",    /* IDEM_ERR_AMQP_CONNECT */
-    "RabbitMQ operation refused",    /* IDEM_ERR_AMQP */
-    "RabbitMQ connection lost",      /* IDEM_ERR_AMQP_LOST */
-    "timed out",                     /* IDEM_ERR_TIMEOUT */
-    "not found",                     /* IDEM_ERR_NOT_FOUND */
-    "refused by a safety rule",      /* IDEM_ERR_REFUSED */
-    "another runner holds the lock", /* IDEM_ERR_BUSY */
-    "I/O error",                     /* IDEM_ERR_IO */
-    "malformed input",               /* IDEM_ERR_PARSE */
-    "interrupted",                   /* IDEM_ERR_INTERRUPTED */
+    "success",                               /* IDEM_OK */
+    "out of memory",                         /* IDEM_ERR_NOMEM */
+    "invalid argument",                      /* IDEM_ERR_INVALID */
+    "cannot connect to PostgreSQL",          /* IDEM_ERR_PG_CONNECT */
+    "PostgreSQL statement failed",           /* IDEM_ERR_PG_QUERY */
+    "PostgreSQL connection lost",            /* IDEM_ERR_PG_LOST */
+    "cannot connect to RabbitMQ",            /* IDEM_ERR_AMQP_CONNECT */
+    "RabbitMQ operation refused",            /* IDEM_ERR_AMQP */
+    "RabbitMQ connection lost",              /* IDEM_ERR_AMQP_LOST */
+    "timed out",                             /* IDEM_ERR_TIMEOUT */
+    "not found",                             /* IDEM_ERR_NOT_FOUND */
+    "refused by a safety rule",              /* IDEM_ERR_REFUSED */
+    "another runner holds the lock",         /* IDEM_ERR_BUSY */
+    "I/O error",                             /* IDEM_ERR_IO */
+    "malformed input",                       /* IDEM_ERR_PARSE */
+    "interrupted",                           /* IDEM_ERR_INTERRUPTED */
+    "transaction rolled back by the server", /* IDEM_ERR_PG_ROLLBACK */
+    "message cannot be encoded for AMQP",    /* IDEM_ERR_UNENCODABLE */
 };
 
 _Static_assert(sizeof status_text / sizeof status_text[0] == (size_t)(-IDEM_STATUS_MIN) + 1,

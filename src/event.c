@@ -6,15 +6,19 @@
 
 #include "event.h"
 #include "mask.h"
+#include "policy.h"
 
 void idemp_event_init(struct idem_event *ev, const char *id, const char *type, const char *consumer,
-                      json_t *payload, idemp_pg_t *pg)
+                      const char *subscription, json_t *payload, const idemp_msg_t *msg,
+                      idemp_pg_t *pg)
 {
     memset(ev, 0, sizeof *ev);
     ev->id = id;
     ev->type = type;
     ev->consumer = consumer;
+    ev->subscription = subscription ? subscription : "";
     ev->payload = payload;
+    ev->msg = msg;
     ev->pg = pg;
 }
 
@@ -31,6 +35,29 @@ const char *idem_event_type(const idem_event_t *ev)
 const char *idem_event_consumer(const idem_event_t *ev)
 {
     return ev->consumer;
+}
+
+const char *idem_event_subscription(const idem_event_t *ev)
+{
+    return ev->subscription[0] ? ev->subscription : NULL;
+}
+
+bool idem_event_seq(const idem_event_t *ev, int64_t *seq)
+{
+    if (ev->has_seq && seq != NULL)
+        *seq = ev->seq;
+    return ev->has_seq;
+}
+
+const char *idem_event_header(idem_event_t *ev, const char *name)
+{
+    size_t len = 0;
+    const char *v = ev->msg != NULL && name != NULL ? idemp_msg_header(ev->msg, name, &len) : NULL;
+    if (v == NULL || len >= sizeof ev->header_buf || memchr(v, '\0', len) != NULL)
+        return NULL;
+    memcpy(ev->header_buf, v, len);
+    ev->header_buf[len] = '\0';
+    return ev->header_buf;
 }
 
 json_t *idem_event_payload(const idem_event_t *ev)
@@ -63,12 +90,14 @@ idem_outcome idem_event_exec(idem_event_t *ev, const char *sql, int nparams,
                              const char *const *params, PGresult **out)
 {
     idem_error_t err = {0};
-    int rc = idemp_pg_exec(ev->pg, sql, nparams, params, out, &err);
+    int rc = idemp_pg_exec(ev->pg, sql, nparams, params, (idemp_rows_t **)out, &err);
     if (rc == IDEM_OK)
         return IDEM_DONE;
     if (rc == IDEM_ERR_PG_LOST)
         ev->pg_lost = true;
-    idem_outcome o = idemp_pg_is_transient(&err) ? IDEM_RETRY : IDEM_REJECT;
+    snprintf(ev->sqlstate, sizeof ev->sqlstate, "%s", err.sqlstate);
+    idem_outcome o =
+        idemp_policy_for_handler(err.sqlstate) == IDEMP_POLICY_REJECT ? IDEM_REJECT : IDEM_RETRY;
     if (err.sqlstate[0])
         return idem_event_fail(ev, o, "SQLSTATE %s: %s", err.sqlstate, err.text);
     return idem_event_fail(ev, o, "%s", err.text);

@@ -4,6 +4,7 @@
  * renders text format 0.0.4 on each scrape. Nothing is locked. */
 #include <errno.h>
 #include <math.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -21,6 +22,7 @@
 static const double bucket_le[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                                    0.25,  0.5,    1.0,   2.5,  5.0,   10.0};
 #define NBUCKETS (sizeof bucket_le / sizeof bucket_le[0])
+#define PAUSED_MAX 64 /* distinct SQLSTATEs; later ones count under the last slot's "other" */
 
 struct idemp_metrics {
     idemp_role role;
@@ -31,6 +33,10 @@ struct idemp_metrics {
     _Atomic uint64_t duration_sum_ns;       /* ns: integer atomics add without a CAS loop */
     _Atomic uint64_t duration_count;
     _Atomic int64_t oldest_pending_us; /* < 0: no pending rows */
+    /* pauses by SQLSTATE: a state is written once, before the count that publishes it */
+    char paused_state[PAUSED_MAX][6];
+    _Atomic uint64_t paused[PAUSED_MAX];
+    _Atomic size_t npaused;
     struct MHD_Daemon *daemon;
 };
 
@@ -51,6 +57,9 @@ idemp_metrics_t *idemp_metrics_new(idemp_role role)
     atomic_init(&m->duration_sum_ns, 0);
     atomic_init(&m->duration_count, 0);
     atomic_init(&m->oldest_pending_us, -1);
+    for (size_t i = 0; i < PAUSED_MAX; i++)
+        atomic_init(&m->paused[i], 0);
+    atomic_init(&m->npaused, 0);
     return m;
 }
 
@@ -82,6 +91,33 @@ void idemp_metrics_reconnect(idemp_metrics_t *m, idemp_server server)
     if (m == NULL || (server != IDEMP_SERVER_POSTGRES && server != IDEMP_SERVER_RABBITMQ))
         return;
     atomic_fetch_add_explicit(&m->reconnects[server], 1, memory_order_relaxed);
+}
+
+void idemp_metrics_paused(idemp_metrics_t *m, const char *sqlstate)
+{
+    if (m == NULL)
+        return;
+    char st[6];
+    size_t k = 0;
+    for (; sqlstate != NULL && sqlstate[k] && k < 5; k++) {
+        char ch = sqlstate[k];
+        st[k] = (ch >= '0' && ch <= '9') || (ch >= 'A' && ch <= 'Z') ? ch : '?';
+    }
+    st[k] = '\0';
+    /* only this (the loop's) thread writes; the HTTP thread reads up to npaused */
+    size_t n = atomic_load_explicit(&m->npaused, memory_order_acquire);
+    size_t i = 0;
+    while (i < n && strcmp(m->paused_state[i], st) != 0)
+        i++;
+    if (i == n) {
+        if (n == PAUSED_MAX)
+            i = n - 1; /* "other" */
+        else {
+            memcpy(m->paused_state[i], n == PAUSED_MAX - 1 ? "other" : st, 6);
+            atomic_store_explicit(&m->npaused, n + 1, memory_order_release);
+        }
+    }
+    atomic_fetch_add_explicit(&m->paused[i], 1, memory_order_relaxed);
 }
 
 void idemp_metrics_batch_duration(idemp_metrics_t *m, double seconds)
@@ -158,6 +194,13 @@ static void render(idemp_metrics_t *m, FILE *f)
             fprintf(f, "idem_consumer_dead_lettered_total{code=\"%s\"} %llu\n",
                     idemp_dl_code_name((idemp_dl_code)c),
                     (unsigned long long)ld(&m->dead_letters[c]));
+        fprintf(f, "# HELP idem_consumer_paused_total Times the consumer paused (backed off "
+                   "without spending a try), by SQLSTATE.\n"
+                   "# TYPE idem_consumer_paused_total counter\n");
+        size_t np = atomic_load_explicit(&m->npaused, memory_order_acquire);
+        for (size_t i = 0; i < np; i++)
+            fprintf(f, "idem_consumer_paused_total{sqlstate=\"%s\"} %llu\n", m->paused_state[i],
+                    (unsigned long long)ld(&m->paused[i]));
     }
     fprintf(f, "# HELP idem_reconnects_total Reconnections to a server after a lost or failed "
                "connection.\n# TYPE idem_reconnects_total counter\n");
@@ -227,46 +270,57 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     return ret;
 }
 
-int idemp_metrics_serve(idemp_metrics_t *m, int port, idem_error_t *err)
+int idemp_metrics_serve(idemp_metrics_t *m, const char *addr, int port, idem_error_t *err)
 {
     if (m == NULL || port == 0)
         return IDEM_OK;
+    if (addr == NULL || *addr == '\0')
+        addr = "127.0.0.1";
     if (port < 0 || port > 65535)
         return idem_error_set(err, IDEM_ERR_INVALID,
-                              "cannot serve metrics on port %d: not a "
-                              "TCP port",
-                              port);
+                              "cannot serve metrics on port %d: not a TCP port", port);
     if (m->daemon != NULL)
         return idem_error_set(err, IDEM_ERR_INVALID, "metrics are already being served");
-    /* All IPv4 interfaces, not 127.0.0.1: Prometheus usually scrapes from another host, and the
-     * endpoint is read-only and carries counters only (firewall the port if that is unwanted).
-     * We bind the socket ourselves so that a port in use is reported with the kernel's own
+    struct addrinfo hints, *ai = NULL;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE | AI_NUMERICHOST | AI_NUMERICSERV;
+    char portstr[8];
+    snprintf(portstr, sizeof portstr, "%d", port);
+    int g = getaddrinfo(addr, portstr, &hints, &ai);
+    if (g != 0)
+        return idem_error_set(err, IDEM_ERR_INVALID,
+                              "cannot serve metrics on %s: not a numeric IP address (%s)", addr,
+                              gai_strerror(g));
+    /* We bind the socket ourselves so that a port in use is reported with the kernel's own
      * reason (MHD_start_daemon only returns NULL). */
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0)
-        return idem_error_set(err, IDEM_ERR_IO, "cannot serve metrics on port %d: socket: %s", port,
-                              strerror(errno));
+    int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        freeaddrinfo(ai);
+        return idem_error_set(err, IDEM_ERR_IO, "cannot serve metrics on port %d at %s: socket: %s",
+                              port, addr, strerror(errno));
+    }
     int one = 1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one); /* restart over TIME_WAIT */
-    struct sockaddr_in sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sin_family = AF_INET;
-    sa.sin_port = htons((uint16_t)port);
-    sa.sin_addr.s_addr = htonl(INADDR_ANY);
-    if (bind(fd, (struct sockaddr *)&sa, sizeof sa) != 0 || listen(fd, 64) != 0) {
+    if (bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || listen(fd, 64) != 0) {
         int e = errno;
         close(fd);
-        return idem_error_set(err, IDEM_ERR_IO, "cannot serve metrics on port %d: %s", port,
-                              strerror(e));
+        freeaddrinfo(ai);
+        return idem_error_set(err, IDEM_ERR_IO, "cannot serve metrics on port %d at %s: %s", port,
+                              addr, strerror(e));
     }
-    m->daemon = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD, (uint16_t)port, NULL, NULL,
-                                 on_request, m, MHD_OPTION_LISTEN_SOCKET, fd,
-                                 MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)10, MHD_OPTION_END);
+    freeaddrinfo(ai);
+    m->daemon = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL, (uint16_t)port,
+                                 NULL, NULL, on_request, m, MHD_OPTION_LISTEN_SOCKET, fd,
+                                 MHD_OPTION_CONNECTION_LIMIT, (unsigned int)64,
+                                 MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)5, MHD_OPTION_END);
     if (m->daemon == NULL) {
         close(fd);
         return idem_error_set(err, IDEM_ERR_IO,
-                              "cannot serve metrics on port %d: libmicrohttpd failed to start",
-                              port);
+                              "cannot serve metrics on port %d at %s: libmicrohttpd failed to "
+                              "start",
+                              port, addr);
     }
     return IDEM_OK;
 }

@@ -27,13 +27,16 @@ typedef enum { IDEMP_SERVER_POSTGRES, IDEMP_SERVER_RABBITMQ } idemp_server;
 typedef struct idemp_metrics idemp_metrics_t;
 
 idemp_metrics_t *idemp_metrics_new(idemp_role role);
-/* Starts serving GET /metrics on port (all interfaces); port 0 does nothing. */
-int idemp_metrics_serve(idemp_metrics_t *m, int port, idem_error_t *err);
+/* Starts serving GET /metrics on addr (a numeric IPv4 or IPv6 address; NULL = 127.0.0.1) and
+ * port; port 0 does nothing. */
+int idemp_metrics_serve(idemp_metrics_t *m, const char *addr, int port, idem_error_t *err);
 void idemp_metrics_free(idemp_metrics_t *m);
 
 void idemp_metrics_add(idemp_metrics_t *m, idemp_counter c, uint64_t n);
 void idemp_metrics_dead_letter(idemp_metrics_t *m, idemp_dl_code code);
 void idemp_metrics_reconnect(idemp_metrics_t *m, idemp_server server);
+/* The consumer paused on sqlstate (a 5-character SQLSTATE). */
+void idemp_metrics_paused(idemp_metrics_t *m, const char *sqlstate);
 void idemp_metrics_batch_duration(idemp_metrics_t *m, double seconds);
 void idemp_metrics_oldest_pending(idemp_metrics_t *m, double seconds); /* gauge; <0 = none */
 uint64_t idemp_metrics_get(const idemp_metrics_t *m, idemp_counter c);

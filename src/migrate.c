@@ -95,13 +95,13 @@ static int apply_one(PGconn *conn, const char *dir, const char *name, bool *appl
                      idem_error_t *err)
 {
     const char *p[] = {name};
-    PGresult *res;
+    idemp_rows_t *res;
     *applied = false;
     int rc = idemp_pgconn_exec(conn, MIGRATE_APPLIED, 1, p, &res, err);
     if (rc != IDEM_OK)
         return rc;
-    bool done = PQntuples(res) > 0;
-    PQclear(res);
+    bool done = idemp_rows_count(res) > 0;
+    idemp_rows_free(res);
     if (done)
         return IDEM_OK;
 
@@ -113,18 +113,16 @@ static int apply_one(PGconn *conn, const char *dir, const char *name, bool *appl
     rc = idemp_pgconn_exec(conn, "BEGIN", 0, NULL, NULL, err);
     if (rc == IDEM_OK) {
         /* a migration file is trusted DDL from the package, run as a script */
-        res = PQexec(conn, sql);
-        if (PQresultStatus(res) != PGRES_COMMAND_OK && PQresultStatus(res) != PGRES_TUPLES_OK)
-            rc = idem_error_set(err, IDEM_ERR_PG_QUERY, "migration %s failed: %s", name,
-                                PQresultErrorMessage(res));
-        PQclear(res);
+        char what[300];
+        snprintf(what, sizeof what, "migration %s", name);
+        rc = idemp_pgconn_script(conn, sql, what, err);
     }
     if (rc == IDEM_OK)
         rc = idemp_pgconn_exec(conn, MIGRATE_RECORD, 1, p, NULL, err);
     if (rc == IDEM_OK)
         rc = idemp_pgconn_exec(conn, "COMMIT", 0, NULL, NULL, err);
-    if (rc != IDEM_OK)
-        PQclear(PQexec(conn, "ROLLBACK"));
+    if (rc != IDEM_OK && idemp_pgconn_ok(conn))
+        idemp_pgconn_exec(conn, "ROLLBACK", 0, NULL, NULL, NULL);
     free(sql);
     *applied = rc == IDEM_OK;
     return rc;
@@ -170,8 +168,8 @@ int idem_migrate(PGconn *conn, const char *sql_dir, FILE *out, int *applied, ide
     }
     if (rc == IDEM_OK && out != NULL && count == 0)
         fprintf(out, "nothing to apply: all %zu migrations already applied\n", n);
-    if (PQstatus(conn) == CONNECTION_OK)
-        PQclear(PQexec(conn, MIGRATE_UNLOCK));
+    if (idemp_pgconn_ok(conn))
+        idemp_pgconn_exec(conn, MIGRATE_UNLOCK, 0, NULL, NULL, NULL);
     for (size_t i = 0; i < n; i++)
         free(names[i]);
     if (applied != NULL)

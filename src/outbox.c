@@ -21,17 +21,17 @@ int idem_emit(PGconn *conn, const char *event_type, const char *subscription_id,
     if (body == NULL)
         return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
     const char *params[] = {event_type, subscription_id, dedup_key, body};
-    PGresult *res;
+    idemp_rows_t *res;
     int rc = idemp_pgconn_exec(conn, SQL_EMIT, 4, params, &res, err);
     free(body);
     if (rc != IDEM_OK)
         return rc;
-    const char *id = PQntuples(res) == 1 ? PQgetvalue(res, 0, 0) : "";
+    const char *id = idemp_rows_count(res) == 1 ? idemp_rows_get(res, 0, 0) : "";
     if (strlen(id) != IDEM_UUID_LEN) {
-        PQclear(res);
+        idemp_rows_free(res);
         return idem_error_set(err, IDEM_ERR_PG_QUERY, "idem_emit returned no event id");
     }
     memcpy(event_id_out, id, IDEM_UUID_LEN + 1);
-    PQclear(res);
+    idemp_rows_free(res);
     return IDEM_OK;
 }

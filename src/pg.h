@@ -1,59 +1,116 @@
-/* pg.h - the PostgreSQL adapter: a connection object that keeps its parameters, reconnects on
- * request, runs parameterized statements (prepared once per connection) and sorts failures into
- * "server refused" (sqlstate) and "connection lost". */
+/* pg.h - the PostgreSQL adapter, the only module that speaks libpq.
+ *
+ * A connection object keeps its conninfo and its state: it connects on demand with backoff,
+ * states a reason when it drops the connection, runs parameterized statements (prepared once
+ * per connection), pipelines a transaction when asked, LISTENs, and sorts failures into "the
+ * server refused" (a SQLSTATE) and "connection lost" (outcome unknown). Results are read through
+ * idemp_rows_t, so the core never touches a PGresult. */
 #ifndef IDEM_PG_H
 #define IDEM_PG_H
 
 #include <stdbool.h>
-
-#include <libpq-fe.h>
+#include <stddef.h>
+#include <stdint.h>
 
 #include <idem/error.h>
 
+typedef struct pg_conn PGconn; /* libpq's, for the public handler API only */
 typedef struct idemp_pg idemp_pg_t;
 
-/* New, unconnected; conninfo is copied. NULL on allocation failure. */
-idemp_pg_t *idemp_pg_new(const char *conninfo);
+/* Query results: an alias of libpq's PGresult, read only through these functions. */
+typedef struct idemp_rows idemp_rows_t;
+int idemp_rows_count(const idemp_rows_t *r);
+const char *idemp_rows_get(const idemp_rows_t *r, int row, int col); /* "" for NULL */
+bool idemp_rows_isnull(const idemp_rows_t *r, int row, int col);
+int64_t idemp_rows_affected(const idemp_rows_t *r); /* rows touched by an INSERT/UPDATE/DELETE */
+void idemp_rows_free(idemp_rows_t *r);              /* NULL is a no-op */
+
+/* New, unconnected; conninfo is copied; component names the log lines ("consumer"). NULL on
+ * allocation failure. */
+idemp_pg_t *idemp_pg_new(const char *conninfo, const char *component);
 void idemp_pg_free(idemp_pg_t *pg);
 
 /* One connection attempt (closing any previous connection). IDEM_ERR_PG_CONNECT with the text
- * "cannot connect to PostgreSQL at HOST:PORT: REASON". */
+ * "cannot connect to PostgreSQL at HOST:PORT: REASON". TCP keepalives are on by default. */
 int idemp_pg_connect(idemp_pg_t *pg, idem_error_t *err);
-/* Session settings sent after every (re)connect, e.g. "SET plan_cache_mode = ...": a constant
- * string, borrowed. */
-void idemp_pg_set_session_sql(idemp_pg_t *pg, const char *sql);
-void idemp_pg_disconnect(idemp_pg_t *pg);
+
+/* Connects when down and due, with backoff (base_ms doubling to max_ms) between failed attempts,
+ * each failure logged once with its reason and the wait. Returns IDEM_OK when connected; sets
+ * *reconnected when this call made a connection after an earlier one was lost. */
+void idemp_pg_set_backoff(idemp_pg_t *pg, int64_t base_ms, int64_t max_ms);
+int idemp_pg_ensure(idemp_pg_t *pg, bool *reconnected, idem_error_t *err);
+/* Time until the next connection attempt is due (0 when connected or due). */
+int64_t idemp_pg_retry_in_ms(const idemp_pg_t *pg);
+
+/* Drops the connection, logging reason once at warn level (nothing when already down), and
+ * makes the next attempt due at once. */
+void idemp_pg_disconnect(idemp_pg_t *pg, const char *reason);
 bool idemp_pg_connected(const idemp_pg_t *pg);
 PGconn *idemp_pg_conn(idemp_pg_t *pg); /* borrowed; NULL when not connected */
 const char *idemp_pg_where_str(const idemp_pg_t *pg);
+int idemp_pg_socket(const idemp_pg_t *pg); /* -1 when not connected */
 
-/* Runs sql with text params as a prepared statement (cached by SQL text). out (optional)
- * receives a new PGresult on success. Returns IDEM_OK, IDEM_ERR_PG_QUERY (err->sqlstate set) or
- * IDEM_ERR_PG_LOST (the connection is then marked for reconnect). */
+/* Runs sql with text params (NULL = SQL NULL) as a prepared statement (cached by SQL text). out
+ * (optional) receives the rows on success. Returns IDEM_OK, IDEM_ERR_PG_QUERY (err->sqlstate
+ * set) or IDEM_ERR_PG_LOST (the connection is then dropped). */
 int idemp_pg_exec(idemp_pg_t *pg, const char *sql, int nparams, const char *const *params,
-                  PGresult **out, idem_error_t *err);
+                  idemp_rows_t **out, idem_error_t *err);
+
+/* A parameterless utility statement (BEGIN, ROLLBACK, LISTEN x). */
+int idemp_pg_command(idemp_pg_t *pg, const char *sql, idem_error_t *err);
+
+/* COMMIT, checked: a transaction that an earlier statement aborted is rolled back and reported as
+ * IDEM_ERR_PG_ROLLBACK (PostgreSQL answers such a COMMIT with the tag ROLLBACK, not an error).
+ * In pipeline mode the COMMIT is queued and the pipeline ended here. IDEM_ERR_PG_LOST: the
+ * outcome is unknown. */
+int idemp_pg_commit(idemp_pg_t *pg, idem_error_t *err);
+/* ROLLBACK if a transaction is open (also ends a pipeline first); errors are only logged. */
+void idemp_pg_rollback(idemp_pg_t *pg);
+bool idemp_pg_in_transaction(const idemp_pg_t *pg);
 
 /* Pipeline mode (libpq 14+): between begin and end, idemp_pg_exec and idemp_pg_command queue
- * their statement and return IDEM_OK at once unless the caller asks for a result (out), in which
+ * their statement and return IDEM_OK at once unless the caller asks for rows (out), in which
  * case everything queued so far is read first. Errors of queued statements are reported by
  * idemp_pg_pipeline_end (the first one; later statements are skipped by the server). */
 int idemp_pg_pipeline_begin(idemp_pg_t *pg, idem_error_t *err);
 int idemp_pg_pipeline_end(idemp_pg_t *pg, idem_error_t *err);
+/* Queues sql as the pipeline's last statement, syncs, reads everything and leaves pipeline mode:
+ * one round trip for the whole pipeline. *out receives sql's rows; an earlier statement's error
+ * is returned as by idemp_pg_pipeline_end. */
+int idemp_pg_pipeline_finish(idemp_pg_t *pg, const char *sql, int nparams,
+                             const char *const *params, idemp_rows_t **out, idem_error_t *err);
 /* Reads everything queued and leaves pipeline mode, keeping any error for pipeline_end; for
  * callers that need the plain connection in the middle of a pipeline. */
 void idemp_pg_pipeline_pause(idemp_pg_t *pg);
 
-/* A parameterless utility statement (BEGIN, COMMIT, ROLLBACK, LISTEN x). */
-int idemp_pg_command(idemp_pg_t *pg, const char *sql, idem_error_t *err);
+/* LISTEN on channel (an identifier constant). */
+int idemp_pg_listen(idemp_pg_t *pg, const char *channel, idem_error_t *err);
+/* Reads what the socket has and drops queued notifications; true if any had arrived. A broken
+ * connection is dropped. */
+bool idemp_pg_take_notifies(idemp_pg_t *pg);
 
-/* The same over a bare PGconn (no preparation); used by the API taking a caller's PGconn. */
+/* The same statement over a bare PGconn (no preparation); for the API taking a caller's
+ * connection and for one-shot commands. */
 int idemp_pgconn_exec(PGconn *conn, const char *sql, int nparams, const char *const *params,
-                      PGresult **out, idem_error_t *err);
-
-/* True for errors worth retrying: SQLSTATE 40001, 40P01, 55P03, 57014, or a lost connection. */
-bool idemp_pg_is_transient(const idem_error_t *err);
-
+                      idemp_rows_t **out, idem_error_t *err);
 /* Connects a bare PGconn for one-shot commands; NULL with err set (IDEM_ERR_PG_CONNECT). */
 PGconn *idemp_pg_connect_once(const char *conninfo, idem_error_t *err);
+void idemp_pgconn_close(PGconn *conn);
+bool idemp_pgconn_ok(PGconn *conn); /* connected and usable */
+/* Runs a trusted multi-statement script (a migration file) as one simple query. */
+int idemp_pgconn_script(PGconn *conn, const char *sql, const char *what, idem_error_t *err);
+
+/* Array literals for uuid[]/text[]/bigint[] parameters, built by appending elements. */
+typedef struct idemp_pgarray {
+    char *buf;
+    size_t len, cap, n;
+    bool failed; /* an allocation failed: the literal is unusable */
+} idemp_pgarray_t;
+
+void idemp_pgarray_init(idemp_pgarray_t *a);
+void idemp_pgarray_add(idemp_pgarray_t *a, const char *elem); /* NULL = NULL element */
+/* The literal "{...}" (borrowed until the next add or free), or NULL after a failed allocation. */
+const char *idemp_pgarray_str(idemp_pgarray_t *a);
+void idemp_pgarray_free(idemp_pgarray_t *a);
 
 #endif

@@ -43,18 +43,18 @@ static void fmt_window(int64_t ms, char *out, size_t sz)
 /* Why event_id is not a failed row, for the error text; runs inside the (doomed) transaction. */
 static int not_failed(PGconn *conn, const char *event_id, idem_error_t *err)
 {
-    PGresult *r;
+    idemp_rows_t *r;
     const char *p[] = {event_id};
     int rc = idemp_pgconn_exec(conn, REPLAY_STATUS_OF, 1, p, &r, err);
     if (rc != IDEM_OK)
         return rc;
-    if (PQntuples(r) == 0)
+    if (idemp_rows_count(r) == 0)
         rc = idem_error_set(err, IDEM_ERR_NOT_FOUND, "event %s is not in the outbox", event_id);
     else
         rc = idem_error_set(err, IDEM_ERR_NOT_FOUND,
                             "event %s is %s, not failed; only failed rows are replayed", event_id,
-                            PQgetvalue(r, 0, 0));
-    PQclear(r);
+                            idemp_rows_get(r, 0, 0));
+    idemp_rows_free(r);
     return rc;
 }
 
@@ -72,7 +72,7 @@ static int replay(PGconn *conn, const char *event_id, int64_t dedup_window_ms, i
     int rc = idemp_pgconn_exec(conn, "BEGIN", 0, NULL, NULL, err);
     if (rc != IDEM_OK)
         return rc;
-    PGresult *r = NULL;
+    idemp_rows_t *r = NULL;
     rc = idemp_pgconn_exec(conn, event_id ? REPLAY_ONE : REPLAY_ALL, event_id ? 2 : 1, params, &r,
                            err);
     if (rc == IDEM_ERR_PG_QUERY && strcmp(err->sqlstate, "22P02") == 0) {
@@ -83,10 +83,10 @@ static int replay(PGconn *conn, const char *event_id, int64_t dedup_window_ms, i
     int n = 0, too_old = 0;
     const char *oldest = NULL;
     if (rc == IDEM_OK) {
-        n = PQntuples(r);
+        n = idemp_rows_count(r);
         for (int i = 0; i < n; i++)
-            if (PQgetvalue(r, i, 0)[0] == 't') {
-                const char *created = PQgetvalue(r, i, 1);
+            if (idemp_rows_get(r, i, 0)[0] == 't') {
+                const char *created = idemp_rows_get(r, i, 1);
                 if (oldest == NULL || strcmp(created, oldest) < 0)
                     oldest = created;
                 too_old++;
@@ -109,12 +109,12 @@ static int replay(PGconn *conn, const char *event_id, int64_t dedup_window_ms, i
                                 "them as stale); nothing changed",
                                 too_old, n, w, oldest);
     }
-    PQclear(r);
+    idemp_rows_free(r);
     if (rc == IDEM_OK && n > 0)
         rc = idemp_pgconn_exec(conn, REPLAY_NOTIFY, 0, NULL, NULL, err);
     if (rc == IDEM_OK)
         rc = idemp_pgconn_exec(conn, "COMMIT", 0, NULL, NULL, err);
-    else if (PQstatus(conn) == CONNECTION_OK)
+    else if (idemp_pgconn_ok(conn))
         idemp_pgconn_exec(conn, "ROLLBACK", 0, NULL, NULL, NULL);
     if (rc == IDEM_OK && replayed != NULL)
         *replayed = n;

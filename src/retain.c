@@ -23,7 +23,8 @@
  * wait for the next run, and the loops are bounded by what existed at the start. */
 #define RETAIN_CUTOFFS                                                                             \
     "SELECT (now() - $1::bigint * interval '1 millisecond')::text, "                               \
-    "(now() - $2::bigint * interval '1 millisecond')::text"
+    "(now() - $2::bigint * interval '1 millisecond')::text, "                                      \
+    "(now() - $3::bigint * interval '1 millisecond')::text"
 
 #define RETAIN_OUTBOX                                                                              \
     "DELETE FROM event_outbox WHERE status = 'sent' AND outbox_id IN ("                            \
@@ -36,10 +37,16 @@
     "SELECT ctid FROM consumed_events WHERE consumed_at < $1::timestamptz "                        \
     "ORDER BY consumed_at LIMIT $2::int FOR UPDATE SKIP LOCKED))"
 
+#define RETAIN_KEYS                                                                                \
+    "DELETE FROM idem_emitted_keys WHERE event_id IN ("                                            \
+    "SELECT event_id FROM idem_emitted_keys WHERE first_emitted_at < $1::timestamptz "             \
+    "ORDER BY first_emitted_at LIMIT $2::int FOR UPDATE SKIP LOCKED)"
+
 void idem_retain_config_init(idem_retain_config_t *cfg)
 {
     cfg->outbox_keep_ms = 7 * DAY_MS;
     cfg->dedup_window_ms = 30 * DAY_MS;
+    cfg->keys_keep_ms = 400 * DAY_MS;
     cfg->batch = 5000;
     cfg->force = false;
     cfg->stop = NULL;
@@ -64,15 +71,16 @@ int idem_retain_check(const idem_retain_config_t *cfg, idem_error_t *err)
 {
     if (cfg == NULL)
         return idem_error_set(err, IDEM_ERR_INVALID, "retention: no configuration");
-    if (cfg->outbox_keep_ms < 0 || cfg->dedup_window_ms < 0)
+    if (cfg->outbox_keep_ms < 0 || cfg->dedup_window_ms < 0 || cfg->keys_keep_ms < 0)
         return idem_error_set(err, IDEM_ERR_INVALID, "retention windows must not be negative");
     if (cfg->batch < 1)
         return idem_error_set(err, IDEM_ERR_INVALID, "retention batch must be at least 1");
     if (cfg->force)
         return IDEM_OK;
-    char dedup[32], keep[32];
+    char dedup[32], keep[32], keys[32];
     fmt_duration(cfg->dedup_window_ms, dedup, sizeof dedup);
     fmt_duration(cfg->outbox_keep_ms, keep, sizeof keep);
+    fmt_duration(cfg->keys_keep_ms, keys, sizeof keys);
     /* A ledger row deleted while its event can still be redelivered (or replayed from the
      * outbox) would let that event apply twice. */
     if (cfg->dedup_window_ms < cfg->outbox_keep_ms)
@@ -84,6 +92,12 @@ int idem_retain_check(const idem_retain_config_t *cfg, idem_error_t *err)
         return idem_error_set(err, IDEM_ERR_REFUSED,
                               "dedup window %s is shorter than 1d; use --force to run anyway",
                               dedup);
+    /* A key deleted while its event could still apply would let a replayed emit through. */
+    if (cfg->keys_keep_ms < cfg->dedup_window_ms)
+        return idem_error_set(err, IDEM_ERR_REFUSED,
+                              "keys kept %s is shorter than the dedup window %s; "
+                              "use --force to run anyway",
+                              keys, dedup);
     return IDEM_OK;
 }
 
@@ -98,12 +112,12 @@ static int delete_loop(PGconn *conn, const char *sql, const char *cutoff, int ba
     for (;;) {
         if (stop != NULL && *stop)
             return IDEM_ERR_INTERRUPTED;
-        PGresult *res;
+        idemp_rows_t *res;
         int rc = idemp_pgconn_exec(conn, sql, 2, params, &res, err);
         if (rc != IDEM_OK)
             return rc;
-        long n = strtol(PQcmdTuples(res), NULL, 10);
-        PQclear(res);
+        int64_t n = idemp_rows_affected(res);
+        idemp_rows_free(res);
         if (n > 0) {
             *deleted += n;
             (*batches)++;
@@ -124,27 +138,29 @@ int idem_retain_run(PGconn *conn, const idem_retain_config_t *cfg, idem_retain_r
     if (rc != IDEM_OK)
         return rc;
 
-    PGresult *r;
+    idemp_rows_t *r;
     rc = idemp_pgconn_exec(conn, RETAIN_TRY_LOCK, 0, NULL, &r, err);
     if (rc != IDEM_OK)
         return rc;
-    bool locked = PQntuples(r) == 1 && PQgetvalue(r, 0, 0)[0] == 't';
-    PQclear(r);
+    bool locked = idemp_rows_count(r) == 1 && idemp_rows_get(r, 0, 0)[0] == 't';
+    idemp_rows_free(r);
     if (!locked) {
         res->skipped = true;
         return IDEM_OK;
     }
 
-    char keep[24], window[24];
+    char keep[24], window[24], keys[24];
     snprintf(keep, sizeof keep, "%" PRId64, cfg->outbox_keep_ms);
     snprintf(window, sizeof window, "%" PRId64, cfg->dedup_window_ms);
-    const char *cparams[] = {keep, window};
-    rc = idemp_pgconn_exec(conn, RETAIN_CUTOFFS, 2, cparams, &r, err);
+    snprintf(keys, sizeof keys, "%" PRId64, cfg->keys_keep_ms);
+    const char *cparams[] = {keep, window, keys};
+    rc = idemp_pgconn_exec(conn, RETAIN_CUTOFFS, 3, cparams, &r, err);
     if (rc == IDEM_OK) {
-        char *outbox_cutoff = strdup(PQgetvalue(r, 0, 0));
-        char *ledger_cutoff = strdup(PQgetvalue(r, 0, 1));
-        PQclear(r);
-        if (outbox_cutoff == NULL || ledger_cutoff == NULL)
+        char *outbox_cutoff = strdup(idemp_rows_get(r, 0, 0));
+        char *ledger_cutoff = strdup(idemp_rows_get(r, 0, 1));
+        char *keys_cutoff = strdup(idemp_rows_get(r, 0, 2));
+        idemp_rows_free(r);
+        if (outbox_cutoff == NULL || ledger_cutoff == NULL || keys_cutoff == NULL)
             rc = idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
         if (rc == IDEM_OK)
             rc = delete_loop(conn, RETAIN_OUTBOX, outbox_cutoff, cfg->batch, cfg->stop,
@@ -152,14 +168,18 @@ int idem_retain_run(PGconn *conn, const idem_retain_config_t *cfg, idem_retain_r
         if (rc == IDEM_OK)
             rc = delete_loop(conn, RETAIN_LEDGER, ledger_cutoff, cfg->batch, cfg->stop,
                              &res->ledger_deleted, &res->ledger_batches, err);
+        if (rc == IDEM_OK)
+            rc = delete_loop(conn, RETAIN_KEYS, keys_cutoff, cfg->batch, cfg->stop,
+                             &res->keys_deleted, &res->keys_batches, err);
         free(outbox_cutoff);
         free(ledger_cutoff);
+        free(keys_cutoff);
     }
     if (rc == IDEM_ERR_INTERRUPTED)
         idem_error_set(err, rc, "retention stopped between batches by a signal");
     /* A lost connection has released the session lock already; otherwise release it now so a
      * caller reusing the connection does not keep other runs out. */
-    if (PQstatus(conn) == CONNECTION_OK)
+    if (idemp_pgconn_ok(conn))
         idemp_pgconn_exec(conn, RETAIN_UNLOCK, 0, NULL, NULL, NULL);
     return rc;
 }

@@ -1,34 +1,31 @@
-/* rmq.c - the RabbitMQ adapter over librabbitmq 0.11. */
+/* rmq.c - the RabbitMQ adapter over librabbitmq 0.11: URLs, connections (TCP or TLS) with
+ * heartbeats and backoff, topology, confirms. Deliveries and publishes are in rmq_msg.c. */
 #include <ctype.h>
 #include <errno.h>
 #include <netdb.h>
-#include <sys/socket.h>
-#include <unistd.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/time.h>
+#include <unistd.h>
 
-#include <amqp.h>
-#include <amqp_framing.h>
+#include <amqp_ssl_socket.h>
 #include <amqp_tcp_socket.h>
+#include <openssl/ssl.h>
+#include <openssl/x509_vfy.h>
 
-#include "rmq.h"
+#include <idem/log.h>
+
 #include "clock.h"
+#include "rmq_int.h"
 
-#define CHANNEL 1
+#define CONNECT_TIMEOUT_S 10
+#define DEFAULT_HEARTBEAT_S 30
 
-struct idemp_amqp {
-    idemp_amqp_url_t url;
-    char where[300];
-    amqp_connection_state_t conn;
-    bool connected;
-    bool confirms;
-    uint64_t next_tag;  /* next publish sequence number in confirm mode */
-    uint64_t confirmed; /* all tags <= confirmed are settled */
-    uint8_t *settled;   /* settled[i]: tag confirmed + 1 + i settled out of order */
-    size_t settled_cap;
-};
+/* ---- URLs --------------------------------------------------------------------------------- */
 
 static int unhex(int ch)
 {
@@ -62,12 +59,82 @@ static bool decode(const char *s, size_t n, char *out, size_t outsz)
     return true;
 }
 
+static bool parse_port(const char *s, const char *end, int *out)
+{
+    long port = 0;
+    if (s == end)
+        return false;
+    for (const char *q = s; q < end; q++) {
+        if (!isdigit((unsigned char)*q))
+            return false;
+        port = port * 10 + (*q - '0');
+        if (port > 65535)
+            return false;
+    }
+    if (port == 0)
+        return false;
+    *out = (int)port;
+    return true;
+}
+
+/* key=value&... after '?'. Unknown keys are ignored, as RabbitMQ's clients do. */
+static int parse_query(const char *q, idemp_amqp_url_t *u)
+{
+    while (*q != '\0' && *q != '#') {
+        size_t n = strcspn(q, "&#");
+        const char *eq = memchr(q, '=', n);
+        char key[64], val[256];
+        if (eq == NULL || (size_t)(eq - q) >= sizeof key)
+            return IDEM_ERR_INVALID;
+        memcpy(key, q, (size_t)(eq - q));
+        key[eq - q] = '\0';
+        if (!decode(eq + 1, n - (size_t)(eq - q) - 1, val, sizeof val))
+            return IDEM_ERR_INVALID;
+        if (strcmp(key, "heartbeat") == 0) {
+            char *e;
+            long v = strtol(val, &e, 10);
+            if (*val == '\0' || *e != '\0' || v < 0 || v > 65535)
+                return IDEM_ERR_INVALID;
+            u->heartbeat_s = (int)v;
+        } else if (strcmp(key, "cacertfile") == 0) {
+            snprintf(u->cacertfile, sizeof u->cacertfile, "%s", val);
+        } else if (strcmp(key, "certfile") == 0) {
+            snprintf(u->certfile, sizeof u->certfile, "%s", val);
+        } else if (strcmp(key, "keyfile") == 0) {
+            snprintf(u->keyfile, sizeof u->keyfile, "%s", val);
+        } else if (strcmp(key, "server_name_indication") == 0) {
+            snprintf(u->sni, sizeof u->sni, "%s", val);
+        } else if (strcmp(key, "verify") == 0) {
+            if (strcmp(val, "verify_peer") == 0)
+                u->verify_peer = true;
+            else if (strcmp(val, "verify_none") == 0)
+                u->verify_peer = false;
+            else
+                return IDEM_ERR_INVALID;
+        }
+        q += n;
+        if (*q == '&')
+            q++;
+    }
+    return IDEM_OK;
+}
+
 int idemp_amqp_url_parse(const char *url, idemp_amqp_url_t *u)
 {
     memset(u, 0, sizeof *u);
-    if (url == NULL || strncmp(url, "amqp://", 7) != 0)
+    u->heartbeat_s = -1;
+    u->verify_peer = true;
+    if (url == NULL)
         return IDEM_ERR_INVALID;
-    const char *p = url + 7;
+    const char *p;
+    if (strncmp(url, "amqp://", 7) == 0) {
+        p = url + 7;
+    } else if (strncmp(url, "amqps://", 8) == 0) {
+        p = url + 8;
+        u->tls = true;
+    } else {
+        return IDEM_ERR_INVALID;
+    }
     const char *end = p + strcspn(p, "/?#");
     const char *at = NULL;
     for (const char *q = p; q < end; q++)
@@ -76,100 +143,144 @@ int idemp_amqp_url_parse(const char *url, idemp_amqp_url_t *u)
     strcpy(u->user, "guest");
     strcpy(u->password, "guest");
     if (at != NULL) {
-        const char *colon = memchr(p, ':', at - p);
+        const char *colon = memchr(p, ':', (size_t)(at - p));
         if (colon != NULL) {
-            if (!decode(p, colon - p, u->user, sizeof u->user) ||
-                !decode(colon + 1, at - colon - 1, u->password, sizeof u->password))
+            if (!decode(p, (size_t)(colon - p), u->user, sizeof u->user) ||
+                !decode(colon + 1, (size_t)(at - colon - 1), u->password, sizeof u->password))
                 return IDEM_ERR_INVALID;
-        } else if (!decode(p, at - p, u->user, sizeof u->user)) {
+        } else if (!decode(p, (size_t)(at - p), u->user, sizeof u->user)) {
             return IDEM_ERR_INVALID;
         }
         p = at + 1;
     }
     const char *colon = NULL;
     if (*p == '[') { /* [ipv6]:port */
-        const char *rb = memchr(p, ']', end - p);
-        if (rb == NULL)
+        const char *rb = memchr(p, ']', (size_t)(end - p));
+        if (rb == NULL || (size_t)(rb - p - 1) >= sizeof u->host)
             return IDEM_ERR_INVALID;
-        if ((size_t)(rb - p - 1) >= sizeof u->host)
-            return IDEM_ERR_INVALID;
-        memcpy(u->host, p + 1, rb - p - 1);
+        memcpy(u->host, p + 1, (size_t)(rb - p - 1));
         colon = rb + 1 < end && rb[1] == ':' ? rb + 1 : NULL;
         if (rb + 1 < end && colon == NULL)
             return IDEM_ERR_INVALID;
     } else {
-        colon = memchr(p, ':', end - p);
+        colon = memchr(p, ':', (size_t)(end - p));
         const char *hend = colon ? colon : end;
         if ((size_t)(hend - p) >= sizeof u->host)
             return IDEM_ERR_INVALID;
-        memcpy(u->host, p, hend - p);
+        memcpy(u->host, p, (size_t)(hend - p));
     }
     if (u->host[0] == '\0')
         strcpy(u->host, "localhost");
-    u->port = 5672;
-    if (colon != NULL) {
-        long port = 0;
-        if (colon + 1 == end)
-            return IDEM_ERR_INVALID;
-        for (const char *q = colon + 1; q < end; q++) {
-            if (!isdigit((unsigned char)*q))
-                return IDEM_ERR_INVALID;
-            port = port * 10 + (*q - '0');
-            if (port > 65535)
-                return IDEM_ERR_INVALID;
-        }
-        if (port == 0)
-            return IDEM_ERR_INVALID;
-        u->port = (int)port;
-    }
+    u->port = u->tls ? 5671 : 5672;
+    if (colon != NULL && !parse_port(colon + 1, end, &u->port))
+        return IDEM_ERR_INVALID;
     const char *path = end;
     if (*path == '/')
         path++;
     size_t plen = strcspn(path, "?#");
-    if (plen == 0) {
+    if (plen == 0)
         strcpy(u->vhost, "/");
-    } else if (!decode(path, plen, u->vhost, sizeof u->vhost)) {
+    else if (!decode(path, plen, u->vhost, sizeof u->vhost))
         return IDEM_ERR_INVALID;
-    }
+    if (path[plen] == '?')
+        return parse_query(path + plen + 1, u);
     return IDEM_OK;
 }
 
-idemp_amqp_t *idemp_amqp_new(const char *url, idem_error_t *err)
+/* ---- the connection object ---------------------------------------------------------------- */
+
+static void set_where(idemp_amqp_t *a)
+{
+    const idemp_amqp_url_t *u = &a->urls[a->cur];
+    snprintf(a->where, sizeof a->where, "%s:%d", u->host, u->port);
+}
+
+idemp_amqp_t *idemp_amqp_new(const char *urls, const char *component, int heartbeat_s,
+                             idem_error_t *err)
 {
     idemp_amqp_t *a = calloc(1, sizeof *a);
-    if (a == NULL) {
+    char *copy = strdup(urls ? urls : "");
+    if (a == NULL || copy == NULL) {
+        free(a);
+        free(copy);
         idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
         return NULL;
     }
-    if (idemp_amqp_url_parse(url, &a->url) != IDEM_OK) {
-        /* the URL may hold a password: the error text is masked by idem_error_set */
-        idem_error_set(err, IDEM_ERR_INVALID, "invalid AMQP URL: %s", url ? url : "(null)");
+    a->component = component ? component : "rabbitmq";
+    char *save = NULL;
+    for (char *tok = strtok_r(copy, ",", &save); tok != NULL; tok = strtok_r(NULL, ",", &save)) {
+        while (*tok == ' ')
+            tok++;
+        if (*tok == '\0')
+            continue;
+        if (a->nurls == IDEMP_AMQP_URLS_MAX ||
+            idemp_amqp_url_parse(tok, &a->urls[a->nurls]) != IDEM_OK) {
+            /* the URL may hold a password: the error text is masked by idem_error_set */
+            idem_error_set(err, IDEM_ERR_INVALID, "invalid AMQP URL: %s", tok);
+            free(copy);
+            free(a);
+            return NULL;
+        }
+        a->nurls++;
+    }
+    free(copy);
+    if (a->nurls == 0) {
+        idem_error_set(err, IDEM_ERR_INVALID, "invalid AMQP URL: empty");
         free(a);
         return NULL;
     }
-    snprintf(a->where, sizeof a->where, "%s:%d", a->url.host, a->url.port);
+    if (heartbeat_s < 0)
+        heartbeat_s = a->urls[0].heartbeat_s >= 0 ? a->urls[0].heartbeat_s : DEFAULT_HEARTBEAT_S;
+    a->heartbeat_s = heartbeat_s > 65535 ? 65535 : heartbeat_s;
+    idemp_backoff_init(&a->backoff, 250, 5000);
+    set_where(a);
     return a;
 }
 
-void idemp_amqp_disconnect(idemp_amqp_t *a)
+int idemp_amqp_set_password(idemp_amqp_t *a, const char *password)
+{
+    if (password == NULL || strlen(password) >= sizeof a->urls[0].password)
+        return IDEM_ERR_INVALID;
+    for (int i = 0; i < a->nurls; i++)
+        snprintf(a->urls[i].password, sizeof a->urls[i].password, "%s", password);
+    return IDEM_OK;
+}
+
+static void close_conn(idemp_amqp_t *a)
 {
     if (a->conn != NULL) {
         if (a->connected) {
-            amqp_channel_close(a->conn, CHANNEL, AMQP_REPLY_SUCCESS);
+            amqp_channel_close(a->conn, IDEMP_CHANNEL, AMQP_REPLY_SUCCESS);
             amqp_connection_close(a->conn, AMQP_REPLY_SUCCESS);
         }
         amqp_destroy_connection(a->conn);
     }
     a->conn = NULL;
     a->connected = false;
+    a->body_left = 0;
+}
+
+void idemp_amqp_disconnect(idemp_amqp_t *a, const char *reason)
+{
+    if (a->conn != NULL && reason != NULL) {
+        const char *kv[] = {"server", a->where, NULL};
+        idem_log(IDEM_LOG_WARN, a->component, kv, "RabbitMQ connection dropped: %s", reason);
+        /* something went wrong: do not wait for close handshakes on a link that may be dead */
+        a->connected = false;
+    }
+    close_conn(a);
+    a->next_ms = idemp_now_ms();
 }
 
 void idemp_amqp_free(idemp_amqp_t *a)
 {
     if (a == NULL)
         return;
-    idemp_amqp_disconnect(a);
+    close_conn(a);
     free(a->settled);
+    free(a->scratch);
+    /* the URLs hold passwords */
+    memset(a->urls, 0, sizeof a->urls);
     free(a);
 }
 
@@ -183,10 +294,26 @@ const char *idemp_amqp_where(const idemp_amqp_t *a)
     return a->where;
 }
 
+int idemp_amqp_socket(const idemp_amqp_t *a)
+{
+    return a->connected ? amqp_get_sockfd(a->conn) : -1;
+}
+
+int idemp_amqp_close_code(const idemp_amqp_t *a)
+{
+    return a->close_code;
+}
+
+bool idemp_amqp_buffered(const idemp_amqp_t *a)
+{
+    return a->conn != NULL && (amqp_data_in_buffer(a->conn) || amqp_frames_enqueued(a->conn));
+}
+
 /* Text for a failed RPC reply; *lost tells a dead socket from a broker refusal. */
-static void reply_text(amqp_rpc_reply_t r, char *out, size_t sz, bool *lost)
+static void reply_text(amqp_rpc_reply_t r, char *out, size_t sz, bool *lost, int *code)
 {
     *lost = false;
+    *code = 0;
     switch (r.reply_type) {
     case AMQP_RESPONSE_NORMAL:
         snprintf(out, sz, "ok");
@@ -202,10 +329,12 @@ static void reply_text(amqp_rpc_reply_t r, char *out, size_t sz, bool *lost)
     case AMQP_RESPONSE_SERVER_EXCEPTION:
         if (r.reply.id == AMQP_CONNECTION_CLOSE_METHOD) {
             amqp_connection_close_t *m = r.reply.decoded;
+            *code = m->reply_code;
             snprintf(out, sz, "connection closed by broker: %u %.*s", m->reply_code,
                      (int)m->reply_text.len, (const char *)m->reply_text.bytes);
         } else if (r.reply.id == AMQP_CHANNEL_CLOSE_METHOD) {
             amqp_channel_close_t *m = r.reply.decoded;
+            *code = m->reply_code;
             snprintf(out, sz, "channel closed by broker: %u %.*s", m->reply_code,
                      (int)m->reply_text.len, (const char *)m->reply_text.bytes);
         } else {
@@ -215,16 +344,62 @@ static void reply_text(amqp_rpc_reply_t r, char *out, size_t sz, bool *lost)
     }
 }
 
-/* Checks the last RPC reply; on failure the connection is marked unusable. */
+static void send_close_ok(idemp_amqp_t *a, amqp_method_number_t id, amqp_channel_t ch)
+{
+    if (id == AMQP_CONNECTION_CLOSE_METHOD) {
+        amqp_connection_close_ok_t ok;
+        amqp_send_method(a->conn, 0, AMQP_CONNECTION_CLOSE_OK_METHOD, &ok);
+    } else if (id == AMQP_CHANNEL_CLOSE_METHOD) {
+        amqp_channel_close_ok_t ok;
+        amqp_send_method(a->conn, ch, AMQP_CHANNEL_CLOSE_OK_METHOD, &ok);
+    }
+}
+
+/* Checks an RPC reply; on failure the connection is marked unusable. */
 static int check_rpc(idemp_amqp_t *a, amqp_rpc_reply_t r, const char *what, idem_error_t *err)
 {
     if (r.reply_type == AMQP_RESPONSE_NORMAL)
         return IDEM_OK;
     char text[300];
     bool lost;
-    reply_text(r, text, sizeof text, &lost);
+    reply_text(r, text, sizeof text, &lost, &a->close_code);
+    if (r.reply_type == AMQP_RESPONSE_SERVER_EXCEPTION)
+        send_close_ok(a, r.reply.id, IDEMP_CHANNEL);
     a->connected = false; /* a closed channel needs a fresh connection in this design */
     return idem_error_set(err, lost ? IDEM_ERR_AMQP_LOST : IDEM_ERR_AMQP, "%s: %s", what, text);
+}
+
+int idemp_amqp_lost(idemp_amqp_t *a, int amqp_status, const char *what, idem_error_t *err)
+{
+    a->connected = false;
+    return idem_error_set(err, IDEM_ERR_AMQP_LOST, "%s: connection to RabbitMQ at %s lost: %s",
+                          what, a->where, amqp_error_string2(amqp_status));
+}
+
+int idemp_amqp_on_close(idemp_amqp_t *a, const amqp_frame_t *f, idem_error_t *err)
+{
+    amqp_rpc_reply_t r = {AMQP_RESPONSE_SERVER_EXCEPTION, f->payload.method, 0};
+    char text[300];
+    bool lost;
+    reply_text(r, text, sizeof text, &lost, &a->close_code);
+    send_close_ok(a, f->payload.method.id, f->channel);
+    a->connected = false;
+    return idem_error_set(err, IDEM_ERR_AMQP, "%s", text);
+}
+
+int idemp_amqp_wait_frame(idemp_amqp_t *a, amqp_frame_t *f, int64_t timeout_ms, idem_error_t *err)
+{
+    if (!a->connected)
+        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s", a->where);
+    if (timeout_ms < 0)
+        timeout_ms = 0;
+    struct timeval tv = {timeout_ms / 1000, (timeout_ms % 1000) * 1000};
+    int rc = amqp_simple_wait_frame_noblock(a->conn, f, &tv);
+    if (rc == AMQP_STATUS_TIMEOUT)
+        return IDEM_ERR_TIMEOUT;
+    if (rc != AMQP_STATUS_OK)
+        return idemp_amqp_lost(a, rc, "read", err);
+    return IDEM_OK;
 }
 
 /* librabbitmq's non-blocking connect reports only "a socket error occurred"; after a failure a
@@ -255,163 +430,356 @@ static void tcp_reason(const char *host, int port, int amqp_rc, char *out, size_
     freeaddrinfo(ai);
 }
 
-int idemp_amqp_connect(idemp_amqp_t *a, bool confirms, idem_error_t *err)
+/* A TLS socket per the URL's parameters; verification is on unless verify=verify_none. */
+static amqp_socket_t *tls_socket(idemp_amqp_t *a, const idemp_amqp_url_t *u, char *why,
+                                 size_t whysz)
 {
-    idemp_amqp_disconnect(a);
+    amqp_socket_t *sock = amqp_ssl_socket_new(a->conn);
+    if (sock == NULL) {
+        snprintf(why, whysz, "cannot set up TLS");
+        return NULL;
+    }
+    SSL_CTX *ctx = amqp_ssl_socket_get_context(sock);
+    if (u->cacertfile[0] != '\0') {
+        if (amqp_ssl_socket_set_cacert(sock, u->cacertfile) != AMQP_STATUS_OK) {
+            snprintf(why, whysz, "cannot read cacertfile %s", u->cacertfile);
+            return NULL;
+        }
+    } else if (SSL_CTX_set_default_verify_paths(ctx) != 1) {
+        snprintf(why, whysz, "cannot load the system CA certificates");
+        return NULL;
+    }
+    if (u->certfile[0] != '\0' || u->keyfile[0] != '\0') {
+        if (amqp_ssl_socket_set_key(sock, u->certfile, u->keyfile) != AMQP_STATUS_OK) {
+            snprintf(why, whysz, "cannot read certfile %s / keyfile %s", u->certfile, u->keyfile);
+            return NULL;
+        }
+    }
+    amqp_ssl_socket_set_verify_peer(sock, u->verify_peer);
+    if (u->verify_peer && u->sni[0] != '\0') {
+        /* verify the certificate against the given name instead of the host we dial */
+        amqp_ssl_socket_set_verify_hostname(sock, 0);
+        X509_VERIFY_PARAM_set1_host(SSL_CTX_get0_param(ctx), u->sni, 0);
+    } else {
+        amqp_ssl_socket_set_verify_hostname(sock, u->verify_peer);
+    }
+    return sock;
+}
+
+static int connect_url(idemp_amqp_t *a, bool confirms, idem_error_t *err)
+{
+    const idemp_amqp_url_t *u = &a->urls[a->cur];
+    set_where(a);
+    close_conn(a);
+    a->close_code = 0;
     a->conn = amqp_new_connection();
     if (a->conn == NULL)
         return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
-    amqp_socket_t *sock = amqp_tcp_socket_new(a->conn);
+    char why[300] = "";
+    amqp_socket_t *sock = u->tls ? tls_socket(a, u, why, sizeof why) : amqp_tcp_socket_new(a->conn);
     if (sock == NULL) {
-        idemp_amqp_disconnect(a);
-        return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+        close_conn(a);
+        return idem_error_set(err, IDEM_ERR_AMQP_CONNECT,
+                              "cannot connect to RabbitMQ at %s: %s (tls=%s)", a->where,
+                              why[0] ? why : "out of memory", u->tls ? "on" : "off");
     }
-    struct timeval tv = {10, 0};
+    struct timeval tv = {CONNECT_TIMEOUT_S, 0};
     amqp_set_handshake_timeout(a->conn, &tv);
     amqp_set_rpc_timeout(a->conn, &tv);
-    int rc = amqp_socket_open_noblock(sock, a->url.host, a->url.port, &tv);
+    int rc = amqp_socket_open_noblock(sock, u->host, u->port, &tv);
     if (rc != AMQP_STATUS_OK) {
-        char why[200];
-        tcp_reason(a->url.host, a->url.port, rc, why, sizeof why);
-        idemp_amqp_disconnect(a);
-        return idem_error_set(err, IDEM_ERR_AMQP_CONNECT, "cannot connect to RabbitMQ at %s: %s",
-                              a->where, why);
+        tcp_reason(u->host, u->port, rc, why, sizeof why);
+        close_conn(a);
+        return idem_error_set(err, IDEM_ERR_AMQP_CONNECT,
+                              "cannot connect to RabbitMQ at %s: %s (tls=%s)", a->where, why,
+                              u->tls ? "on" : "off");
     }
-    amqp_rpc_reply_t r = amqp_login(a->conn, a->url.vhost, 0, 131072, 0, AMQP_SASL_METHOD_PLAIN,
-                                    a->url.user, a->url.password);
+    int fd = amqp_get_sockfd(a->conn);
+    int one = 1, idle = 30, intvl = 10, cnt = 3;
+    setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof intvl);
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof cnt);
+    amqp_rpc_reply_t r = amqp_login(a->conn, u->vhost, 0, IDEMP_FRAME_MAX, a->heartbeat_s,
+                                    AMQP_SASL_METHOD_PLAIN, u->user, u->password);
     if (r.reply_type != AMQP_RESPONSE_NORMAL) {
         char text[300];
         bool lost;
-        reply_text(r, text, sizeof text, &lost);
+        int code;
+        reply_text(r, text, sizeof text, &lost, &code);
         if (r.reply_type == AMQP_RESPONSE_LIBRARY_EXCEPTION &&
             r.library_error == AMQP_STATUS_CONNECTION_CLOSED)
-            snprintf(text, sizeof text, "login refused (ACCESS_REFUSED) for user '%s'",
-                     a->url.user);
-        idemp_amqp_disconnect(a);
-        return idem_error_set(err, IDEM_ERR_AMQP_CONNECT, "cannot connect to RabbitMQ at %s: %s",
-                              a->where, text);
+            snprintf(text, sizeof text, "login refused (ACCESS_REFUSED) for user '%s'", u->user);
+        close_conn(a);
+        return idem_error_set(err, IDEM_ERR_AMQP_CONNECT,
+                              "cannot connect to RabbitMQ at %s: %s (tls=%s)", a->where, text,
+                              u->tls ? "on" : "off");
     }
     a->connected = true;
-    amqp_channel_open(a->conn, CHANNEL);
+    amqp_channel_open(a->conn, IDEMP_CHANNEL);
     rc = check_rpc(a, amqp_get_rpc_reply(a->conn), "channel.open", err);
     if (rc == IDEM_OK && confirms) {
-        amqp_confirm_select(a->conn, CHANNEL);
+        amqp_confirm_select(a->conn, IDEMP_CHANNEL);
         rc = check_rpc(a, amqp_get_rpc_reply(a->conn), "confirm.select", err);
     }
     if (rc != IDEM_OK) {
-        idemp_amqp_disconnect(a);
+        close_conn(a);
         return rc;
     }
     a->confirms = confirms;
     a->next_tag = 1;
     a->confirmed = 0;
+    a->last_send = idemp_now_ms();
     if (a->settled != NULL)
         memset(a->settled, 0, a->settled_cap);
     return IDEM_OK;
 }
 
-int idemp_amqp_declare_exchange(idemp_amqp_t *a, const char *name, idem_error_t *err)
+int idemp_amqp_connect(idemp_amqp_t *a, bool confirms, idem_error_t *err)
 {
-    amqp_exchange_declare(a->conn, CHANNEL, amqp_cstring_bytes(name), amqp_cstring_bytes("topic"),
-                          0, 1, 0, 0, amqp_empty_table);
-    return check_rpc(a, amqp_get_rpc_reply(a->conn), "exchange.declare", err);
+    int rc = IDEM_ERR_AMQP_CONNECT;
+    for (int i = 0; i < a->nurls; i++) {
+        idem_error_t e = {0};
+        rc = connect_url(a, confirms, &e);
+        if (rc == IDEM_OK) {
+            const idemp_amqp_url_t *u = &a->urls[a->cur];
+            char hb[16];
+            snprintf(hb, sizeof hb, "%d", a->heartbeat_s);
+            const char *kv[] = {"server",      a->where, "tls", u->tls ? "on" : "off",
+                                "heartbeat_s", hb,       NULL};
+            idem_log(IDEM_LOG_DEBUG, a->component, kv, "connected to RabbitMQ");
+            return IDEM_OK;
+        }
+        if (rc == IDEM_ERR_NOMEM || i == a->nurls - 1) {
+            if (err != NULL && err->code == 0)
+                *err = e;
+            break;
+        }
+        const char *kv[] = {"server", a->where, NULL};
+        idem_log(IDEM_LOG_DEBUG, a->component, kv, "%s; trying the next node", e.text);
+        a->cur = (a->cur + 1) % a->nurls;
+    }
+    /* the next round starts with the node after the one that failed last */
+    a->cur = (a->cur + 1) % a->nurls;
+    return rc;
 }
 
-int idemp_amqp_declare_queue(idemp_amqp_t *a, const char *name, bool quorum, const char *dlq,
-                             idem_error_t *err)
+int idemp_amqp_ensure(idemp_amqp_t *a, bool confirms, bool *reconnected, idem_error_t *err)
 {
-    amqp_table_entry_t e[3];
-    int n = 0;
-    if (quorum) {
-        e[n].key = amqp_cstring_bytes("x-queue-type");
-        e[n].value.kind = AMQP_FIELD_KIND_UTF8;
-        e[n].value.value.bytes = amqp_cstring_bytes("quorum");
-        n++;
+    if (reconnected != NULL)
+        *reconnected = false;
+    if (a->connected)
+        return IDEM_OK;
+    int64_t now = idemp_now_ms();
+    if (now < a->next_ms)
+        return idem_error_set(err, IDEM_ERR_AMQP_CONNECT, "RabbitMQ at %s: waiting to reconnect",
+                              a->where);
+    idem_error_t e = {0};
+    if (idemp_amqp_connect(a, confirms, &e) == IDEM_OK) {
+        idemp_backoff_reset(&a->backoff);
+        if (reconnected != NULL)
+            *reconnected = a->was_up;
+        a->was_up = true;
+        a->failing = false;
+        return IDEM_OK;
     }
-    if (dlq != NULL) {
-        e[n].key = amqp_cstring_bytes("x-dead-letter-exchange");
-        e[n].value.kind = AMQP_FIELD_KIND_UTF8;
-        e[n].value.value.bytes = amqp_cstring_bytes("");
-        n++;
-        e[n].key = amqp_cstring_bytes("x-dead-letter-routing-key");
-        e[n].value.kind = AMQP_FIELD_KIND_UTF8;
-        e[n].value.value.bytes = amqp_cstring_bytes(dlq);
-        n++;
+    int64_t wait = idemp_backoff_next(&a->backoff);
+    if (wait < a->backoff.base_ms)
+        wait = a->backoff.base_ms;
+    a->next_ms = now + wait;
+    char w[32];
+    snprintf(w, sizeof w, "%lld", (long long)wait);
+    const char *kv[] = {"server", a->where, "retry_in_ms", w, NULL};
+    idem_log(a->failing ? IDEM_LOG_DEBUG : IDEM_LOG_WARN, a->component, kv, "%s", e.text);
+    a->failing = true;
+    if (err != NULL && err->code == 0)
+        *err = e;
+    return e.code;
+}
+
+int64_t idemp_amqp_retry_in_ms(const idemp_amqp_t *a)
+{
+    if (a->connected)
+        return 0;
+    int64_t left = a->next_ms - idemp_now_ms();
+    return left > 0 ? left : 0;
+}
+
+void idemp_amqp_keepalive(idemp_amqp_t *a)
+{
+    if (!a->connected || a->heartbeat_s <= 0)
+        return;
+    int64_t now = idemp_now_ms();
+    if (now - a->last_send < (int64_t)a->heartbeat_s * 500)
+        return;
+    amqp_frame_t hb;
+    memset(&hb, 0, sizeof hb);
+    hb.frame_type = AMQP_FRAME_HEARTBEAT;
+    hb.channel = 0;
+    if (amqp_send_frame(a->conn, &hb) != AMQP_STATUS_OK)
+        a->connected = false; /* noticed by the next read */
+    a->last_send = now;
+}
+
+/* ---- topology ----------------------------------------------------------------------------- */
+
+static amqp_table_entry_t str_entry(const char *key, const char *val)
+{
+    amqp_table_entry_t e;
+    e.key = amqp_cstring_bytes(key);
+    e.value.kind = AMQP_FIELD_KIND_UTF8;
+    e.value.value.bytes = amqp_cstring_bytes(val);
+    return e;
+}
+
+/* A passive declare of something missing closes the channel with 404: that is an answer, not a
+ * failure of the connection, which is reopened. */
+static int passive_result(idemp_amqp_t *a, int rc, const char *name, idem_error_t *err,
+                          idem_error_t *e)
+{
+    if (rc == IDEM_OK)
+        return IDEM_OK;
+    if (rc == IDEM_ERR_AMQP && a->close_code == AMQP_NOT_FOUND) {
+        return idem_error_set(err, IDEM_ERR_NOT_FOUND, "%s does not exist on RabbitMQ at %s", name,
+                              a->where);
     }
-    amqp_table_t args = {n, e};
-    amqp_queue_declare(a->conn, CHANNEL, amqp_cstring_bytes(name), 0, 1, 0, 0, args);
-    return check_rpc(a, amqp_get_rpc_reply(a->conn), "queue.declare", err);
+    if (err != NULL && err->code == 0)
+        *err = *e;
+    return rc;
+}
+
+/* After a 404 the channel is closed but the connection lives: open the channel again. */
+static int reopen_channel(idemp_amqp_t *a, idem_error_t *err)
+{
+    if (a->conn == NULL || a->close_code != AMQP_NOT_FOUND)
+        return IDEM_ERR_AMQP;
+    a->connected = true;
+    amqp_channel_open(a->conn, IDEMP_CHANNEL);
+    int rc = check_rpc(a, amqp_get_rpc_reply(a->conn), "channel.open", err);
+    if (rc == IDEM_OK && a->confirms) {
+        amqp_confirm_select(a->conn, IDEMP_CHANNEL);
+        rc = check_rpc(a, amqp_get_rpc_reply(a->conn), "confirm.select", err);
+        a->next_tag = 1;
+        a->confirmed = 0;
+    }
+    return rc;
+}
+
+int idemp_amqp_declare_exchange(idemp_amqp_t *a, const char *name, const char *type,
+                                const char *hash_header, bool passive, idem_error_t *err)
+{
+    if (!a->connected)
+        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s", a->where);
+    amqp_table_entry_t e[1];
+    amqp_table_t args = {0, e};
+    if (hash_header != NULL)
+        e[args.num_entries++] = str_entry("hash-header", hash_header);
+    amqp_exchange_declare(a->conn, IDEMP_CHANNEL, amqp_cstring_bytes(name),
+                          amqp_cstring_bytes(type), passive, 1, 0, 0, args);
+    idem_error_t ee = {0};
+    char what[300];
+    snprintf(what, sizeof what, "exchange.declare %s", name);
+    int rc = check_rpc(a, amqp_get_rpc_reply(a->conn), what, &ee);
+    if (rc != IDEM_OK && passive && a->close_code == AMQP_NOT_FOUND) {
+        int rc2 = reopen_channel(a, err);
+        return rc2 == IDEM_OK ? passive_result(a, rc, name, err, &ee) : rc2;
+    }
+    if (rc != IDEM_OK && err != NULL && err->code == 0)
+        *err = ee;
+    return rc;
+}
+
+int idemp_amqp_declare_queue(idemp_amqp_t *a, const char *name, const idemp_queue_spec_t *spec,
+                             bool passive, idem_error_t *err)
+{
+    if (!a->connected)
+        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s", a->where);
+    amqp_table_entry_t e[4];
+    amqp_table_t args = {0, e};
+    if (!passive && spec != NULL) {
+        if (spec->quorum)
+            e[args.num_entries++] = str_entry("x-queue-type", "quorum");
+        if (spec->dlx != NULL)
+            e[args.num_entries++] = str_entry("x-dead-letter-exchange", spec->dlx);
+        if (spec->dlk != NULL)
+            e[args.num_entries++] = str_entry("x-dead-letter-routing-key", spec->dlk);
+        if (spec->single_active) {
+            e[args.num_entries].key = amqp_cstring_bytes("x-single-active-consumer");
+            e[args.num_entries].value.kind = AMQP_FIELD_KIND_BOOLEAN;
+            e[args.num_entries].value.value.boolean = 1;
+            args.num_entries++;
+        }
+    }
+    amqp_queue_declare(a->conn, IDEMP_CHANNEL, amqp_cstring_bytes(name), passive, 1, 0, 0, args);
+    idem_error_t ee = {0};
+    char what[300];
+    snprintf(what, sizeof what, "queue.declare %s", name);
+    int rc = check_rpc(a, amqp_get_rpc_reply(a->conn), what, &ee);
+    if (rc != IDEM_OK && passive && a->close_code == AMQP_NOT_FOUND) {
+        int rc2 = reopen_channel(a, err);
+        return rc2 == IDEM_OK ? passive_result(a, rc, name, err, &ee) : rc2;
+    }
+    if (rc != IDEM_OK && err != NULL && err->code == 0)
+        *err = ee;
+    return rc;
 }
 
 int idemp_amqp_bind(idemp_amqp_t *a, const char *queue, const char *exchange, const char *key,
                     idem_error_t *err)
 {
-    amqp_queue_bind(a->conn, CHANNEL, amqp_cstring_bytes(queue), amqp_cstring_bytes(exchange),
+    if (!a->connected)
+        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s", a->where);
+    amqp_queue_bind(a->conn, IDEMP_CHANNEL, amqp_cstring_bytes(queue), amqp_cstring_bytes(exchange),
                     amqp_cstring_bytes(key), amqp_empty_table);
     return check_rpc(a, amqp_get_rpc_reply(a->conn), "queue.bind", err);
 }
 
-int idemp_amqp_consume(idemp_amqp_t *a, const char *queue, int prefetch, idem_error_t *err)
+int idemp_amqp_bind_exchange(idemp_amqp_t *a, const char *dest, const char *source, const char *key,
+                             idem_error_t *err)
 {
-    amqp_basic_qos(a->conn, CHANNEL, 0, (uint16_t)prefetch, 0);
-    int rc = check_rpc(a, amqp_get_rpc_reply(a->conn), "basic.qos", err);
-    if (rc != IDEM_OK)
-        return rc;
-    amqp_basic_consume(a->conn, CHANNEL, amqp_cstring_bytes(queue), amqp_empty_bytes, 0, 0, 0,
+    if (!a->connected)
+        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s", a->where);
+    amqp_exchange_bind(a->conn, IDEMP_CHANNEL, amqp_cstring_bytes(dest), amqp_cstring_bytes(source),
+                       amqp_cstring_bytes(key), amqp_empty_table);
+    return check_rpc(a, amqp_get_rpc_reply(a->conn), "exchange.bind", err);
+}
+
+int idemp_amqp_qos(idemp_amqp_t *a, int prefetch, idem_error_t *err)
+{
+    if (!a->connected)
+        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s", a->where);
+    amqp_basic_qos(a->conn, IDEMP_CHANNEL, 0, (uint16_t)prefetch, 0);
+    return check_rpc(a, amqp_get_rpc_reply(a->conn), "basic.qos", err);
+}
+
+int idemp_amqp_consume(idemp_amqp_t *a, const char *queue, idem_error_t *err)
+{
+    if (!a->connected)
+        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s", a->where);
+    amqp_basic_consume(a->conn, IDEMP_CHANNEL, amqp_cstring_bytes(queue), amqp_empty_bytes, 0, 0, 0,
                        amqp_empty_table);
     return check_rpc(a, amqp_get_rpc_reply(a->conn), "basic.consume", err);
 }
 
-int idemp_amqp_publish(idemp_amqp_t *a, const char *exchange, const char *routing_key,
-                       bool mandatory, const amqp_basic_properties_t *props, const void *body,
-                       size_t len, uint64_t *tag, idem_error_t *err)
+int idemp_amqp_ack(idemp_amqp_t *a, uint64_t tag, bool multiple, idem_error_t *err)
 {
     if (!a->connected)
         return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s", a->where);
-    amqp_bytes_t b = {len, (void *)body};
-    int rc = amqp_basic_publish(a->conn, CHANNEL, amqp_cstring_bytes(exchange),
-                                amqp_cstring_bytes(routing_key), mandatory, 0, props, b);
-    if (rc != AMQP_STATUS_OK) {
-        a->connected = false;
-        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "basic.publish to %s: %s", a->where,
-                              amqp_error_string2(rc));
-    }
+    int rc = amqp_basic_ack(a->conn, IDEMP_CHANNEL, tag, multiple);
+    if (rc != AMQP_STATUS_OK)
+        return idemp_amqp_lost(a, rc, "basic.ack", err);
+    a->last_send = idemp_now_ms();
+    return IDEM_OK;
+}
+
+/* ---- confirms ----------------------------------------------------------------------------- */
+
+void idemp_amqp_published(idemp_amqp_t *a, uint64_t *tag)
+{
     if (tag != NULL)
         *tag = a->next_tag;
     a->next_tag++;
-    return IDEM_OK;
-}
-
-/* Handles a connection.close or channel.close frame: reply close-ok, mark unusable. */
-static int on_close_frame(idemp_amqp_t *a, amqp_frame_t *f, idem_error_t *err)
-{
-    amqp_rpc_reply_t r = {AMQP_RESPONSE_SERVER_EXCEPTION, f->payload.method, 0};
-    char text[300];
-    bool lost;
-    reply_text(r, text, sizeof text, &lost);
-    if (f->payload.method.id == AMQP_CONNECTION_CLOSE_METHOD) {
-        amqp_connection_close_ok_t ok;
-        amqp_send_method(a->conn, 0, AMQP_CONNECTION_CLOSE_OK_METHOD, &ok);
-    } else {
-        amqp_channel_close_ok_t ok;
-        amqp_send_method(a->conn, f->channel, AMQP_CHANNEL_CLOSE_OK_METHOD, &ok);
-    }
-    a->connected = false;
-    return idem_error_set(err, IDEM_ERR_AMQP, "%s", text);
-}
-
-static int wait_frame(idemp_amqp_t *a, amqp_frame_t *f, int64_t timeout_ms, idem_error_t *err)
-{
-    struct timeval tv = {timeout_ms / 1000, (timeout_ms % 1000) * 1000};
-    int rc = amqp_simple_wait_frame_noblock(a->conn, f, &tv);
-    if (rc == AMQP_STATUS_TIMEOUT)
-        return IDEM_ERR_TIMEOUT;
-    if (rc != AMQP_STATUS_OK) {
-        a->connected = false;
-        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "connection to RabbitMQ at %s lost: %s",
-                              a->where, amqp_error_string2(rc));
-    }
-    return IDEM_OK;
+    a->last_send = idemp_now_ms();
 }
 
 /* Records that tag (or every tag up to it) is settled and advances a->confirmed. */
@@ -454,112 +822,113 @@ static void settle(idemp_amqp_t *a, uint64_t tag, bool multiple)
     }
 }
 
+/* Handles one frame on a publishing connection: a confirm, a return or a close. */
+static int confirm_frame(idemp_amqp_t *a, amqp_frame_t *f, idemp_confirm_fn fn, void *ud,
+                         idem_error_t *err)
+{
+    if (f->frame_type != AMQP_FRAME_METHOD)
+        return IDEM_OK;
+    switch (f->payload.method.id) {
+    case AMQP_BASIC_ACK_METHOD: {
+        amqp_basic_ack_t *m = f->payload.method.decoded;
+        if (fn != NULL)
+            fn(ud, IDEMP_CONFIRM_ACK, m->delivery_tag, m->multiple, NULL, 0);
+        settle(a, m->delivery_tag, m->multiple);
+        break;
+    }
+    case AMQP_BASIC_NACK_METHOD: {
+        amqp_basic_nack_t *m = f->payload.method.decoded;
+        if (fn != NULL)
+            fn(ud, IDEMP_CONFIRM_NACK, m->delivery_tag, m->multiple, NULL, 0);
+        settle(a, m->delivery_tag, m->multiple);
+        break;
+    }
+    case AMQP_BASIC_RETURN_METHOD: {
+        amqp_message_t msg;
+        amqp_rpc_reply_t r = amqp_read_message(a->conn, f->channel, &msg, 0);
+        if (r.reply_type != AMQP_RESPONSE_NORMAL)
+            return check_rpc(a, r, "basic.return", err);
+        const amqp_basic_properties_t *p = &msg.properties;
+        bool has_id = (p->_flags & AMQP_BASIC_MESSAGE_ID_FLAG) != 0;
+        if (fn != NULL)
+            fn(ud, IDEMP_CONFIRM_RETURN, 0, false, has_id ? p->message_id.bytes : NULL,
+               has_id ? p->message_id.len : 0);
+        amqp_destroy_message(&msg);
+        break;
+    }
+    case AMQP_CHANNEL_CLOSE_METHOD:
+    case AMQP_CONNECTION_CLOSE_METHOD:
+        return idemp_amqp_on_close(a, f, err);
+    default:
+        break;
+    }
+    return IDEM_OK;
+}
+
 int idemp_amqp_wait_confirms(idemp_amqp_t *a, uint64_t last_tag, int64_t timeout_ms,
                              idemp_confirm_fn fn, void *ud, idem_error_t *err)
 {
     int64_t deadline = idemp_now_ms() + timeout_ms;
     while (a->confirmed < last_tag) {
-        if (!a->connected)
-            return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s",
-                                  a->where);
         int64_t left = deadline - idemp_now_ms();
-        if (left <= 0)
-            return idem_error_set(err, IDEM_ERR_TIMEOUT,
-                                  "no publisher confirm from RabbitMQ at %s within %lld ms",
-                                  a->where, (long long)timeout_ms);
         amqp_frame_t f;
-        int rc = wait_frame(a, &f, left, err);
-        if (rc == IDEM_ERR_TIMEOUT)
-            continue;
+        int rc = idemp_amqp_wait_frame(a, &f, left > 0 ? left : 0, err);
+        if (rc == IDEM_ERR_TIMEOUT) {
+            if (left > 0)
+                continue;
+            return IDEM_ERR_TIMEOUT;
+        }
+        if (rc == IDEM_OK)
+            rc = confirm_frame(a, &f, fn, ud, err);
         if (rc != IDEM_OK)
             return rc;
-        if (f.frame_type != AMQP_FRAME_METHOD)
-            continue;
-        switch (f.payload.method.id) {
-        case AMQP_BASIC_ACK_METHOD: {
-            amqp_basic_ack_t *m = f.payload.method.decoded;
-            fn(ud, IDEMP_CONFIRM_ACK, m->delivery_tag, m->multiple, NULL);
-            settle(a, m->delivery_tag, m->multiple);
-            break;
-        }
-        case AMQP_BASIC_NACK_METHOD: {
-            amqp_basic_nack_t *m = f.payload.method.decoded;
-            fn(ud, IDEMP_CONFIRM_NACK, m->delivery_tag, m->multiple, NULL);
-            settle(a, m->delivery_tag, m->multiple);
-            break;
-        }
-        case AMQP_BASIC_RETURN_METHOD: {
-            amqp_message_t msg;
-            amqp_rpc_reply_t r = amqp_read_message(a->conn, f.channel, &msg, 0);
-            if (r.reply_type != AMQP_RESPONSE_NORMAL)
-                return check_rpc(a, r, "basic.return", err);
-            fn(ud, IDEMP_CONFIRM_RETURN, 0, false, &msg);
-            amqp_destroy_message(&msg);
-            break;
-        }
-        case AMQP_CHANNEL_CLOSE_METHOD:
-        case AMQP_CONNECTION_CLOSE_METHOD:
-            return on_close_frame(a, &f, err);
-        default:
-            break;
-        }
     }
     amqp_maybe_release_buffers(a->conn);
     return IDEM_OK;
 }
 
-int idemp_amqp_next(idemp_amqp_t *a, amqp_envelope_t *env, int64_t timeout_ms, idem_error_t *err)
+struct one_wait {
+    uint64_t tag;
+    bool failed;
+};
+
+static void on_one(void *ud, idemp_confirm_kind kind, uint64_t tag, bool multiple,
+                   const char *message_id, size_t len)
 {
-    if (!a->connected)
-        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s", a->where);
-    amqp_maybe_release_buffers(a->conn);
-    struct timeval tv = {timeout_ms / 1000, (timeout_ms % 1000) * 1000};
-    amqp_rpc_reply_t r = amqp_consume_message(a->conn, env, &tv, 0);
-    if (r.reply_type == AMQP_RESPONSE_NORMAL)
-        return IDEM_OK;
-    if (r.reply_type == AMQP_RESPONSE_LIBRARY_EXCEPTION && r.library_error == AMQP_STATUS_TIMEOUT)
-        return IDEM_ERR_TIMEOUT;
-    if (r.reply_type == AMQP_RESPONSE_LIBRARY_EXCEPTION &&
-        r.library_error == AMQP_STATUS_UNEXPECTED_STATE) {
-        /* a frame other than a delivery: a close, a cancel, or a stray confirm */
+    struct one_wait *w = ud;
+    if (kind == IDEMP_CONFIRM_RETURN ||
+        (kind == IDEMP_CONFIRM_NACK && (multiple ? w->tag <= tag : w->tag == tag)))
+        w->failed = true;
+}
+
+int idemp_amqp_confirm_one(idemp_amqp_t *a, uint64_t tag, int64_t timeout_ms, idem_error_t *err)
+{
+    struct one_wait w = {tag, false};
+    int rc = idemp_amqp_wait_confirms(a, tag, timeout_ms, on_one, &w, err);
+    if (rc == IDEM_ERR_TIMEOUT)
+        return idem_error_set(err, IDEM_ERR_TIMEOUT,
+                              "no publisher confirm from RabbitMQ at %s within %lld ms", a->where,
+                              (long long)timeout_ms);
+    if (rc == IDEM_OK && w.failed)
+        return idem_error_set(err, IDEM_ERR_AMQP, "RabbitMQ at %s did not take the message",
+                              a->where);
+    return rc;
+}
+
+int idemp_amqp_service(idemp_amqp_t *a, idem_error_t *err)
+{
+    for (;;) {
         amqp_frame_t f;
-        int rc = wait_frame(a, &f, 0, err);
+        int rc = idemp_amqp_wait_frame(a, &f, 0, err);
         if (rc == IDEM_ERR_TIMEOUT)
-            return IDEM_ERR_TIMEOUT;
+            break;
+        if (rc == IDEM_OK)
+            rc = confirm_frame(a, &f, NULL, NULL, err);
         if (rc != IDEM_OK)
             return rc;
-        if (f.frame_type == AMQP_FRAME_METHOD) {
-            switch (f.payload.method.id) {
-            case AMQP_CHANNEL_CLOSE_METHOD:
-            case AMQP_CONNECTION_CLOSE_METHOD:
-                return on_close_frame(a, &f, err);
-            case AMQP_BASIC_CANCEL_METHOD:
-                a->connected = false;
-                return idem_error_set(err, IDEM_ERR_AMQP,
-                                      "broker cancelled the consumer (queue deleted?)");
-            default:
-                break;
-            }
-        }
-        return IDEM_ERR_TIMEOUT;
     }
-    return check_rpc(a, r, "basic.consume", err);
-}
-
-bool idemp_amqp_buffered(idemp_amqp_t *a)
-{
-    return a->conn != NULL && (amqp_data_in_buffer(a->conn) || amqp_frames_enqueued(a->conn));
-}
-
-int idemp_amqp_ack(idemp_amqp_t *a, uint64_t tag, bool multiple, idem_error_t *err)
-{
-    if (!a->connected)
-        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s", a->where);
-    int rc = amqp_basic_ack(a->conn, CHANNEL, tag, multiple);
-    if (rc != AMQP_STATUS_OK) {
-        a->connected = false;
-        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "basic.ack to %s: %s", a->where,
-                              amqp_error_string2(rc));
-    }
+    if (a->connected)
+        amqp_maybe_release_buffers(a->conn);
+    idemp_amqp_keepalive(a);
     return IDEM_OK;
 }

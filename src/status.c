@@ -28,27 +28,27 @@
         "created_at") ", last_error FROM event_outbox WHERE status = 'failed' ORDER BY "           \
                       "created_at, seq"
 
-static json_t *int_or_null(const PGresult *r, int row, int col)
+static json_t *int_or_null(const idemp_rows_t *r, int row, int col)
 {
-    if (PQgetisnull(r, row, col))
+    if (idemp_rows_isnull(r, row, col))
         return json_null();
-    return json_integer(strtoll(PQgetvalue(r, row, col), NULL, 10));
+    return json_integer(strtoll(idemp_rows_get(r, row, col), NULL, 10));
 }
 
 /* An age in seconds, clamped at zero: created_at comes from the emitting transaction's clock. */
-static json_t *age_or_null(const PGresult *r, int row, int col)
+static json_t *age_or_null(const idemp_rows_t *r, int row, int col)
 {
-    if (PQgetisnull(r, row, col))
+    if (idemp_rows_isnull(r, row, col))
         return json_null();
-    double age = strtod(PQgetvalue(r, row, col), NULL);
+    double age = strtod(idemp_rows_get(r, row, col), NULL);
     return json_real(age > 0 ? age : 0.0);
 }
 
-static json_t *str_or_null(const PGresult *r, int row, int col)
+static json_t *str_or_null(const idemp_rows_t *r, int row, int col)
 {
-    if (PQgetisnull(r, row, col))
+    if (idemp_rows_isnull(r, row, col))
         return json_null();
-    return json_string(PQgetvalue(r, row, col));
+    return json_string(idemp_rows_get(r, row, col));
 }
 
 /* json_object_set_new that fails on NULL values (out of memory) instead of ignoring them. */
@@ -59,7 +59,7 @@ static int put(json_t *obj, const char *key, json_t *val, int *ok)
     return *ok;
 }
 
-static int build_status(const PGresult *types, const PGresult *ledger, json_t **out,
+static int build_status(const idemp_rows_t *types, const idemp_rows_t *ledger, json_t **out,
                         idem_error_t *err)
 {
     int ok = 1;
@@ -74,7 +74,7 @@ static int build_status(const PGresult *types, const PGresult *ledger, json_t **
     }
     long long pending = 0, failed = 0;
     double oldest = -1;
-    for (int i = 0; i < PQntuples(types) && ok; i++) {
+    for (int i = 0; i < idemp_rows_count(types) && ok; i++) {
         json_t *t = json_object();
         if (t == NULL || json_array_append_new(list, t) != 0) {
             ok = 0;
@@ -84,10 +84,10 @@ static int build_status(const PGresult *types, const PGresult *ledger, json_t **
         put(t, "pending", int_or_null(types, i, 1), &ok);
         put(t, "oldest_pending_seconds", age_or_null(types, i, 2), &ok);
         put(t, "failed", int_or_null(types, i, 3), &ok);
-        pending += strtoll(PQgetvalue(types, i, 1), NULL, 10);
-        failed += strtoll(PQgetvalue(types, i, 3), NULL, 10);
-        if (!PQgetisnull(types, i, 2)) {
-            double age = strtod(PQgetvalue(types, i, 2), NULL);
+        pending += strtoll(idemp_rows_get(types, i, 1), NULL, 10);
+        failed += strtoll(idemp_rows_get(types, i, 3), NULL, 10);
+        if (!idemp_rows_isnull(types, i, 2)) {
+            double age = strtod(idemp_rows_get(types, i, 2), NULL);
             if (age < 0)
                 age = 0;
             if (age > oldest)
@@ -117,25 +117,25 @@ int idem_status_query(PGconn *conn, json_t **out, idem_error_t *err)
                                NULL, err);
     if (rc != IDEM_OK)
         return rc;
-    PGresult *types = NULL, *ledger = NULL;
+    idemp_rows_t *types = NULL, *ledger = NULL;
     rc = idemp_pgconn_exec(conn, STATUS_TYPES, 0, NULL, &types, err);
     if (rc == IDEM_OK)
         rc = idemp_pgconn_exec(conn, STATUS_LEDGER, 0, NULL, &ledger, err);
     if (rc == IDEM_OK)
         rc = idemp_pgconn_exec(conn, "COMMIT", 0, NULL, NULL, err);
-    else if (PQstatus(conn) == CONNECTION_OK)
+    else if (idemp_pgconn_ok(conn))
         idemp_pgconn_exec(conn, "ROLLBACK", 0, NULL, NULL, NULL);
     if (rc == IDEM_OK)
         rc = build_status(types, ledger, out, err);
-    PQclear(types);
-    PQclear(ledger);
+    idemp_rows_free(types);
+    idemp_rows_free(ledger);
     return rc;
 }
 
 int idem_failed_list(PGconn *conn, json_t **out, idem_error_t *err)
 {
     *out = NULL;
-    PGresult *r;
+    idemp_rows_t *r;
     int rc = idemp_pgconn_exec(conn, FAILED_LIST, 0, NULL, &r, err);
     if (rc != IDEM_OK)
         return rc;
@@ -143,7 +143,7 @@ int idem_failed_list(PGconn *conn, json_t **out, idem_error_t *err)
     int ok = list != NULL;
     static const char *const keys[] = {"event_id", "outbox_id",  "event_type", "subscription_id",
                                        "attempts", "created_at", "last_error"};
-    for (int i = 0; i < PQntuples(r) && ok; i++) {
+    for (int i = 0; i < idemp_rows_count(r) && ok; i++) {
         json_t *row = json_object();
         if (row == NULL || json_array_append_new(list, row) != 0) {
             ok = 0;
@@ -152,7 +152,7 @@ int idem_failed_list(PGconn *conn, json_t **out, idem_error_t *err)
         for (int c = 0; c < 7 && ok; c++)
             put(row, keys[c], c == 4 ? int_or_null(r, i, c) : str_or_null(r, i, c), &ok);
     }
-    PQclear(r);
+    idemp_rows_free(r);
     if (!ok) {
         json_decref(list);
         return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");

@@ -27,9 +27,11 @@ typedef enum idem_status {
     IDEM_ERR_IO = -13,          /* file or socket error */
     IDEM_ERR_PARSE = -14,       /* malformed input */
     IDEM_ERR_INTERRUPTED = -15, /* stopped by a signal before completion */
+    IDEM_ERR_PG_ROLLBACK = -16, /* COMMIT answered ROLLBACK: an earlier statement had failed */
+    IDEM_ERR_UNENCODABLE = -17, /* a message cannot be encoded for AMQP (nothing was sent) */
 } idem_status;
 
-#define IDEM_STATUS_MIN IDEM_ERR_INTERRUPTED
+#define IDEM_STATUS_MIN IDEM_ERR_UNENCODABLE
 
 typedef struct idem_error {
     int code;         /* an idem_status, 0 while unset */

@@ -2,9 +2,14 @@
  *
  * A handler is called once per new event (its id already claimed for the consumer) with the
  * consumer's PostgreSQL transaction open. Everything it writes through that connection commits
- * together with the claim, or not at all. It must not COMMIT or ROLLBACK itself. */
+ * together with the claim, or not at all. It must not COMMIT or ROLLBACK itself.
+ * Threads: a handler runs on the consumer's thread; the event and everything it returns are
+ * valid only during the call. */
 #ifndef IDEM_HANDLER_H
 #define IDEM_HANDLER_H
+
+#include <stdbool.h>
+#include <stdint.h>
 
 #include <jansson.h>
 #include <libpq-fe.h>
@@ -28,7 +33,16 @@ typedef idem_outcome (*idem_handler_fn)(idem_event_t *ev, void *userdata);
 const char *idem_event_id(const idem_event_t *ev); /* lowercase canonical UUID */
 const char *idem_event_type(const idem_event_t *ev);
 const char *idem_event_consumer(const idem_event_t *ev); /* the consumer name */
-json_t *idem_event_payload(const idem_event_t *ev);      /* a JSON object, borrowed */
+/* The subscription (lowercase UUID) from the subscription_id header, else the payload's
+ * subscription_id; NULL when neither is a UUID. */
+const char *idem_event_subscription(const idem_event_t *ev);
+/* The relay's x-idem-seq header (strictly increasing per subscription in emit order): true and
+ * *seq set when the message carries one. */
+bool idem_event_seq(const idem_event_t *ev, int64_t *seq);
+/* A string header of the message (e.g. "traceparent"), NUL-terminated, or NULL when absent, not
+ * a string, over 1023 bytes or containing NUL. Valid until the next call or the return. */
+const char *idem_event_header(idem_event_t *ev, const char *name);
+json_t *idem_event_payload(const idem_event_t *ev); /* a JSON object, borrowed */
 PGconn *idem_event_conn(idem_event_t *ev); /* the open transaction, borrowed (no pipelining) */
 
 /* Records why the handler fails (one line; the first call wins) and returns outcome, so a
@@ -39,12 +53,17 @@ idem_outcome idem_event_fail(idem_event_t *ev, idem_outcome outcome, const char 
 /* Runs one parameterized statement in the event's transaction (prepared once per connection,
  * keyed by the SQL text, which must therefore be a constant). On success returns IDEM_DONE and,
  * if out is non-NULL, a new PGresult the caller must PQclear. On failure it records the server's
- * message and returns IDEM_RETRY for transient errors (SQLSTATE 40001, 40P01, 55P03, 57014, a
- * lost connection) and IDEM_REJECT otherwise; *out is then NULL.
+ * message and SQLSTATE and returns IDEM_REJECT for class 22, class 23 and P0001, IDEM_RETRY
+ * otherwise; *out is then NULL. Whatever the handler then returns, the consumer applies its
+ * failure policy to the recorded SQLSTATE: 40001, 40P01, 55P03, 57014 retry; class 22, 23 and
+ * P0001 reject; anything else (a read-only server, a missing table, a full disk, a lost
+ * connection) pauses the consumer without spending a try.
  * Inside a batch, a statement without out may be queued (pipelined) and IDEM_DONE returned at
  * once; if it fails, the whole batch rolls back and every event is run again in a transaction of
  * its own, where this function reports the failure as above. Handlers therefore need no special
- * care, but must not keep side effects outside the database. */
+ * care, but must not keep side effects outside the database. A handler that ignores a failed
+ * statement and returns IDEM_DONE does not lose the event: the aborted transaction cannot
+ * commit, and the event is retried. */
 idem_outcome idem_event_exec(idem_event_t *ev, const char *sql, int nparams,
                              const char *const *params, PGresult **out);
 

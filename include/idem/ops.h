@@ -28,6 +28,7 @@ int idem_migrate(PGconn *conn, const char *sql_dir, FILE *out, int *applied, ide
 typedef struct idem_retain_config {
     int64_t outbox_keep_ms;      /* sent outbox rows older than this (by sent_at) go; default 7d */
     int64_t dedup_window_ms;     /* ledger rows older than this (by consumed_at) go; default 30d */
+    int64_t keys_keep_ms;        /* emitted keys older than this (first emit) go; default 400d */
     int batch;                   /* rows per DELETE statement (own transaction); default 5000 */
     bool force;                  /* allow a dedup window shorter than the outbox window or 1d */
     volatile sig_atomic_t *stop; /* optional: stop between batches */
@@ -37,13 +38,16 @@ typedef struct idem_retain_result {
     bool skipped; /* another run holds the retention lock; nothing was deleted */
     int64_t outbox_deleted, outbox_batches;
     int64_t ledger_deleted, ledger_batches;
+    int64_t keys_deleted, keys_batches;
 } idem_retain_result_t;
 
 void idem_retain_config_init(idem_retain_config_t *cfg);
 /* Runs one retention pass. Another run holding the lock (advisory lock 7651, 1): res->skipped,
  * returns 0. Stopped through cfg->stop between batches: IDEM_ERR_INTERRUPTED with the counts of
  * what was deleted so far in res. */
-/* IDEM_ERR_REFUSED when the windows break the rule above without force. */
+/* IDEM_ERR_REFUSED when the windows break the rules without force: the dedup window must be at
+ * least the outbox window and 1d, and the emitted keys must be kept at least as long as both
+ * (a replay must collapse as long as its event could still be applied again). */
 int idem_retain_check(const idem_retain_config_t *cfg, idem_error_t *err);
 int idem_retain_run(PGconn *conn, const idem_retain_config_t *cfg, idem_retain_result_t *res,
                     idem_error_t *err);

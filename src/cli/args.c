@@ -43,12 +43,39 @@ void cli_global_init(cli_global_t *g)
     g->pg = env_or("IDEM_PG_URL", "");
     g->amqp = env_or("IDEM_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672");
     g->exchange = env_or("IDEM_EXCHANGE", "billing.events");
+    g->amqp_password_file = env_or("IDEM_AMQP_PASSWORD_FILE", NULL);
     if (g->amqp[0] == '\0')
         g->amqp = "amqp://guest:guest@127.0.0.1:5672";
     if (g->exchange[0] == '\0')
         g->exchange = "billing.events";
     g->level = IDEM_LOG_INFO;
     g->format = IDEM_LOG_TEXT;
+}
+
+const char *cli_amqp_password(const cli_global_t *g, const char *cmd, char *buf, size_t sz,
+                              bool *failed)
+{
+    *failed = false;
+    if (g->amqp_password_file == NULL || g->amqp_password_file[0] == '\0')
+        return NULL;
+    FILE *f = fopen(g->amqp_password_file, "r");
+    if (f == NULL) {
+        fprintf(stderr, "idem %s: cannot read the AMQP password file %s: %s\n", cmd,
+                g->amqp_password_file, strerror(errno));
+        *failed = true;
+        return NULL;
+    }
+    bool ok = fgets(buf, (int)sz, f) != NULL;
+    fclose(f);
+    size_t n = ok ? strcspn(buf, "\r\n") : 0;
+    if (!ok || n == 0 || n >= sz - 1) {
+        fprintf(stderr, "idem %s: the AMQP password file %s is empty or its line is too long\n",
+                cmd, g->amqp_password_file);
+        *failed = true;
+        return NULL;
+    }
+    buf[n] = '\0';
+    return buf;
 }
 
 void cli_apply_logging(const cli_global_t *g)
@@ -75,6 +102,8 @@ static const cli_opt_t global_help[] = {
      "RabbitMQ URL", 0, 0},
     {"--exchange", OPT_STRING, NULL, "NAME", "$IDEM_EXCHANGE or billing.events", "topic exchange",
      0, 0},
+    {"--amqp-password-file", OPT_STRING, NULL, "PATH", "$IDEM_AMQP_PASSWORD_FILE",
+     "file whose first line is the RabbitMQ password (overrides the URL's)", 0, 0},
     {"--log-level", OPT_STRING, NULL, "LEVEL", "info", "debug|info|warn|error", 0, 0},
     {"--log-format", OPT_STRING, NULL, "FORMAT", "text", "text|json", 0, 0},
     {0},
@@ -136,12 +165,19 @@ static int set_value(const char *cmd, const cli_opt_t *o, const char *val)
         return 0;
     }
     case OPT_DURATION:
-    case OPT_DURATION_MS:
-        if (idem_duration_parse(val, o->kind == OPT_DURATION_MS, (int64_t *)o->dest) != 0)
+    case OPT_DURATION_MS: {
+        int64_t ms;
+        if (idem_duration_parse(val, o->kind == OPT_DURATION_MS, &ms) != 0)
             return cli_usage_error(
                 cmd, "%s: '%s' is not a duration (an integer with a unit: %s)", o->name, val,
                 o->kind == OPT_DURATION_MS ? "ms, s, m, h or d" : "s, m, h or d");
+        /* a cap keeps every later sum of times and durations far from overflowing */
+        int64_t max = o->max > 0 ? (int64_t)o->max * 1000 : CLI_DURATION_MAX_MS;
+        if (ms < (int64_t)o->min * 1000 || ms > max)
+            return cli_usage_error(cmd, "%s: '%s' is out of range", o->name, val);
+        *(int64_t *)o->dest = ms;
         return 0;
+    }
     }
     return 0;
 }
@@ -163,6 +199,7 @@ int cli_parse(const char *cmd, const char *synopsis, int argc, char **argv, cons
         {"--pg", OPT_STRING, &g->pg, NULL, NULL, NULL, 0, 0},
         {"--amqp", OPT_STRING, &g->amqp, NULL, NULL, NULL, 0, 0},
         {"--exchange", OPT_STRING, &g->exchange, NULL, NULL, NULL, 0, 0},
+        {"--amqp-password-file", OPT_STRING, &g->amqp_password_file, NULL, NULL, NULL, 0, 0},
         {"--log-level", OPT_STRING, &level, NULL, NULL, NULL, 0, 0},
         {"--log-format", OPT_STRING, &format, NULL, NULL, NULL, 0, 0},
         {0},

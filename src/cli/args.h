@@ -16,9 +16,10 @@
 #define CLI_HELP_SHOWN (-1) /* cli_parse printed help: exit 0 */
 
 typedef struct cli_global {
-    const char *pg;       /* conninfo; "" = PG* defaults */
-    const char *amqp;     /* AMQP URL */
-    const char *exchange; /* exchange name */
+    const char *pg;                 /* conninfo; "" = PG* defaults */
+    const char *amqp;               /* AMQP URL, or a comma-separated list of a cluster's nodes */
+    const char *amqp_password_file; /* the AMQP password, one line; overrides the URL's */
+    const char *exchange;           /* exchange name */
     idem_log_level level;
     idem_log_format format;
 } cli_global_t;
@@ -33,6 +34,7 @@ typedef enum {
 } cli_opt_kind;
 
 #define CLI_LIST_MAX 64
+#define CLI_DURATION_MAX_MS (3650LL * 86400 * 1000) /* durations are capped at 10 years */
 typedef struct cli_list {
     const char *items[CLI_LIST_MAX + 1]; /* NULL-terminated */
     int n;
@@ -45,7 +47,7 @@ typedef struct cli_opt {
     const char *metavar; /* "N", "DURATION" */
     const char *def;     /* default as shown in --help, NULL = none */
     const char *help;
-    long min, max; /* OPT_INT bounds */
+    long min, max; /* OPT_INT bounds; durations: seconds (max 0 = CLI_DURATION_MAX_MS) */
 } cli_opt_t;
 
 /* Fills g from the environment and defaults. */
@@ -55,6 +57,11 @@ void cli_global_init(cli_global_t *g);
  * flags. Returns 0, CLI_EXIT_USAGE (one line printed on stderr) or CLI_HELP_SHOWN. */
 int cli_parse(const char *cmd, const char *synopsis, int argc, char **argv, const cli_opt_t *opts,
               cli_global_t *g);
+
+/* The AMQP password from --amqp-password-file / IDEM_AMQP_PASSWORD_FILE into buf, or NULL when
+ * none is set. A file that cannot be read: one line on stderr, *failed set. */
+const char *cli_amqp_password(const cli_global_t *g, const char *cmd, char *buf, size_t sz,
+                              bool *failed);
 
 /* Applies g's log settings. */
 void cli_apply_logging(const cli_global_t *g);

@@ -1,17 +1,74 @@
-/* cmd_consume.c - `idem consume`: the consumer runtime with the bundled billing handlers. */
+/* cmd_consume.c - `idem consume`: the consumer runtime with the bundled billing handlers and/or
+ * handlers written as SQL functions. */
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include <idem/idem.h>
 
 #include "args.h"
 #include "billing.h"
 
+/* "0,2,3" -> list (at most IDEM_PARTITIONS_MAX distinct partitions in 0..p-1). */
+static int parse_partitions(const char *spec, int p, int *list, int *n)
+{
+    *n = 0;
+    const char *s = spec;
+    while (*s != '\0') {
+        char *end;
+        long v = strtol(s, &end, 10);
+        if (end == s || v < 0 || v >= p || (*end != ',' && *end != '\0'))
+            return cli_usage_error("consume",
+                                   "--partition: '%s' is not a list of partitions in "
+                                   "0..%d",
+                                   spec, p - 1);
+        for (int i = 0; i < *n; i++)
+            if (list[i] == (int)v)
+                return cli_usage_error("consume", "--partition: %ld is listed twice", v);
+        list[(*n)++] = (int)v;
+        s = *end == ',' ? end + 1 : end;
+    }
+    if (*n == 0)
+        return cli_usage_error("consume", "--partition needs at least one partition");
+    return 0;
+}
+
+/* --handler TYPE=SCHEMA.FUNCTION entries, registered on c. */
+static int register_sql(idem_consumer_t *c, const cli_list_t *handlers)
+{
+    for (int i = 0; i < handlers->n; i++) {
+        const char *h = handlers->items[i];
+        const char *eq = strchr(h, '=');
+        if (eq == NULL || eq == h || eq[1] == '\0')
+            return cli_usage_error("consume", "--handler: '%s' is not TYPE=SCHEMA.FUNCTION", h);
+        char type[256];
+        if ((size_t)(eq - h) >= sizeof type)
+            return cli_usage_error("consume", "--handler: the event type is too long");
+        memcpy(type, h, (size_t)(eq - h));
+        type[eq - h] = '\0';
+        int rc = idem_consumer_register_sql(c, type, eq + 1);
+        if (rc == IDEM_ERR_INVALID)
+            return cli_usage_error("consume",
+                                   "--handler: '%s' is not SCHEMA.FUNCTION (plain SQL "
+                                   "identifiers)",
+                                   eq + 1);
+        if (rc != IDEM_OK) {
+            fprintf(stderr, "idem consume: cannot register handlers: %s\n", idem_strerror(rc));
+            return CLI_EXIT_FAIL;
+        }
+    }
+    return 0;
+}
+
 int cmd_consume(int argc, char **argv, cli_global_t *g)
 {
     idem_consumer_config_t cfg;
     idem_consumer_config_init(&cfg);
-    cli_list_t binds = {{NULL}, 0};
+    cli_list_t binds = {{NULL}, 0}, handlers = {{NULL}, 0};
     int max_bytes = (int)cfg.max_message_bytes;
+    int64_t heartbeat_ms = -1;
+    const char *partition_spec = NULL;
+    bool bundled = false;
     const cli_opt_t opts[] = {
         {"--consumer", OPT_STRING, &cfg.consumer, "NAME", NULL,
          "consumer name in the dedup ledger (required)", 0, 0},
@@ -19,25 +76,50 @@ int cmd_consume(int argc, char **argv, cli_global_t *g)
          "durable quorum queue to consume; dead letters go to QUEUE.dlq (required)", 0, 0},
         {"--bind", OPT_LIST, &binds, "KEY", "the event types with handlers",
          "routing key to bind the queue to (repeatable)", 0, 0},
-        {"--prefetch", OPT_INT, &cfg.prefetch, "N", "200", "unacked deliveries in flight", 1,
-         65535},
+        {"--handler", OPT_LIST, &handlers, "TYPE=SCHEMA.FUNCTION", NULL,
+         "handle TYPE with a SQL function (repeatable); then only these handlers run", 0, 0},
+        {"--bundled", OPT_FLAG, &bundled, NULL, NULL,
+         "also run the bundled billing handlers beside --handler ones", 0, 0},
+        {"--prefetch", OPT_INT, &cfg.prefetch, "N", "200", "unacked deliveries in flight per queue",
+         1, 65535},
         {"--batch", OPT_INT, &cfg.batch_max, "N", "100", "deliveries per transaction", 1, 10000},
         {"--linger", OPT_DURATION_MS, &cfg.linger_ms, "DURATION", "1ms",
-         "wait for batch-mates after the first delivery", 0, 0},
+         "wait for batch-mates after the first delivery", 0, 60},
         {"--dedup-window", OPT_DURATION, &cfg.dedup_window_ms, "DURATION", "30d",
-         "deliveries older than this (by timestamp) are dead-lettered as stale", 0, 0},
+         "deliveries older than this (by timestamp) are dead-lettered as stale", 1, 0},
         {"--max-message-bytes", OPT_INT, &max_bytes, "N", "1048576",
          "larger bodies are dead-lettered as oversized", 1, 1 << 30},
         {"--max-retries", OPT_INT, &cfg.max_retries, "N", "5",
          "retries of a transient handler failure before retries_exhausted", 0, 1000},
+        {"--heartbeat", OPT_DURATION, &heartbeat_ms, "DURATION", "30s",
+         "AMQP heartbeat: a dead link is noticed within two (0s = off; the URL's heartbeat= "
+         "applies when this is not given)",
+         0, 65535},
+        {"--partitions", OPT_INT, &cfg.partitions, "P", "1",
+         "P > 1: a partitioned group QUEUE.p0..QUEUE.p<P-1> keeping per-subscription order "
+         "across processes",
+         1, IDEM_PARTITIONS_MAX},
+        {"--partition", OPT_STRING, &partition_spec, "I[,J...]", "all of them",
+         "the partitions this process consumes", 0, 0},
+        {"--lock-timeout", OPT_DURATION_MS, &cfg.lock_timeout_ms, "DURATION", "5s",
+         "lock_timeout of each transaction (0s = none)", 0, 86400},
+        {"--statement-timeout", OPT_DURATION_MS, &cfg.statement_timeout_ms, "DURATION", "30s",
+         "statement_timeout of each transaction (0s = none)", 0, 86400},
+        {"--no-declare", OPT_FLAG, &cfg.no_declare, NULL, NULL,
+         "declare nothing on RabbitMQ; check that the queues and exchanges exist", 0, 0},
         {"--metrics-port", OPT_INT, &cfg.metrics_port, "PORT", "none",
          "serve Prometheus metrics at /metrics", 1, 65535},
+        {"--metrics-addr", OPT_STRING, &cfg.metrics_addr, "ADDR", "127.0.0.1",
+         "listen address of the metrics endpoint", 0, 0},
         {0},
     };
     int rc = cli_parse("consume",
-                       "--consumer NAME --queue QUEUE [--bind KEY]... [--prefetch N] [--batch N] "
+                       "--consumer NAME --queue QUEUE [--bind KEY]... [--handler "
+                       "TYPE=SCHEMA.FUNCTION]... [--bundled] [--prefetch N] [--batch N] "
                        "[--linger D] [--dedup-window D] [--max-message-bytes N] [--max-retries N] "
-                       "[--metrics-port PORT]",
+                       "[--heartbeat D] [--partitions P] [--partition I[,J...]] "
+                       "[--lock-timeout D] [--statement-timeout D] [--no-declare] "
+                       "[--metrics-port PORT] [--metrics-addr ADDR]",
                        argc, argv, opts, g);
     if (rc != 0)
         return rc == CLI_HELP_SHOWN ? CLI_EXIT_OK : rc;
@@ -45,8 +127,27 @@ int cmd_consume(int argc, char **argv, cli_global_t *g)
         return cli_usage_error("consume", "--consumer NAME is required");
     if (cfg.queue == NULL || cfg.queue[0] == '\0')
         return cli_usage_error("consume", "--queue QUEUE is required");
-    if (cfg.dedup_window_ms <= 0)
-        return cli_usage_error("consume", "--dedup-window must be positive");
+    if (heartbeat_ms >= 0 && heartbeat_ms % 1000 != 0)
+        return cli_usage_error("consume", "--heartbeat must be whole seconds");
+    if (bundled && handlers.n == 0)
+        return cli_usage_error("consume", "--bundled goes with --handler");
+    int parts[IDEM_PARTITIONS_MAX];
+    int nparts = 0;
+    if (partition_spec != NULL) {
+        if (cfg.partitions < 2)
+            return cli_usage_error("consume", "--partition needs --partitions greater than 1");
+        rc = parse_partitions(partition_spec, cfg.partitions, parts, &nparts);
+        if (rc != 0)
+            return rc;
+        cfg.partition_list = parts;
+        cfg.npartition_list = nparts;
+    }
+    bool pw_failed;
+    char pw[512];
+    cfg.amqp_password = cli_amqp_password(g, "consume", pw, sizeof pw, &pw_failed);
+    if (pw_failed)
+        return CLI_EXIT_FAIL;
+    cfg.heartbeat_s = heartbeat_ms < 0 ? -1 : (int)(heartbeat_ms / 1000);
     cfg.max_message_bytes = max_bytes;
     cfg.pg_conninfo = g->pg;
     cfg.amqp_url = g->amqp;
@@ -56,15 +157,22 @@ int cmd_consume(int argc, char **argv, cli_global_t *g)
 
     idem_error_t err = {0};
     idem_consumer_t *c = idem_consumer_new(&cfg, &err);
+    memset(pw, 0, sizeof pw);
     if (c == NULL) {
         fprintf(stderr, "idem consume: %s\n", err.text);
         return err.code == IDEM_ERR_INVALID ? CLI_EXIT_USAGE : CLI_EXIT_FAIL;
     }
-    rc = billing_register(c);
-    if (rc != IDEM_OK) {
-        fprintf(stderr, "idem consume: cannot register handlers: %s\n", idem_strerror(rc));
+    rc = register_sql(c, &handlers);
+    if (rc == 0 && (handlers.n == 0 || bundled)) {
+        rc = billing_register(c);
+        if (rc != IDEM_OK) {
+            fprintf(stderr, "idem consume: cannot register handlers: %s\n", idem_strerror(rc));
+            rc = CLI_EXIT_FAIL;
+        }
+    }
+    if (rc != 0) {
         idem_consumer_free(c);
-        return CLI_EXIT_FAIL;
+        return rc;
     }
     cli_install_signals();
     rc = idem_consumer_run(c, &err);

@@ -53,7 +53,7 @@ int cmd_emit(int argc, char **argv, cli_global_t *g)
     if (rc == IDEM_OK)
         rc = idemp_pgconn_exec(conn, "COMMIT", 0, NULL, NULL, &err);
     json_decref(doc);
-    PQfinish(conn);
+    idemp_pgconn_close(conn);
     if (rc != IDEM_OK) {
         fprintf(stderr, "idem emit: %s\n", err.text);
         return CLI_EXIT_FAIL;

@@ -25,7 +25,7 @@ int cmd_migrate(int argc, char **argv, cli_global_t *g)
     }
     int applied = 0;
     rc = idem_migrate(conn, dir, stdout, &applied, &err);
-    PQfinish(conn);
+    idemp_pgconn_close(conn);
     if (rc != IDEM_OK) {
         fprintf(stderr, "idem migrate: %s\n", err.text);
         return CLI_EXIT_FAIL;

@@ -94,7 +94,7 @@ int cmd_status(int argc, char **argv, cli_global_t *g)
     idem_error_t err = {0};
     json_t *doc = NULL;
     rc = idem_status_query(conn, &doc, &err);
-    PQfinish(conn);
+    idemp_pgconn_close(conn);
     if (rc != IDEM_OK)
         return fail("status", &err, STATUS_EXIT_UNREACHABLE);
     if (as_json)
@@ -136,7 +136,7 @@ int cmd_failed(int argc, char **argv, cli_global_t *g)
     idem_error_t err = {0};
     json_t *list = NULL;
     rc = idem_failed_list(conn, &list, &err);
-    PQfinish(conn);
+    idemp_pgconn_close(conn);
     if (rc != IDEM_OK)
         return fail("failed", &err, CLI_EXIT_FAIL);
     if (as_json) {
@@ -196,7 +196,7 @@ int cmd_replay(int argc, char **argv, cli_global_t *g)
     idem_error_t err = {0};
     int n = 0;
     rc = idem_replay(conn, event_id, window_ms, &n, &err);
-    PQfinish(conn);
+    idemp_pgconn_close(conn);
     if (rc == IDEM_ERR_INVALID)
         return fail("replay", &err, CLI_EXIT_USAGE);
     if (rc != IDEM_OK)
@@ -214,14 +214,21 @@ int cmd_retain(int argc, char **argv, cli_global_t *g)
          "delete sent outbox rows older than this (by sent_at)", 0, 0},
         {"--dedup-window", OPT_DURATION, &cfg.dedup_window_ms, "DURATION", "30d",
          "delete ledger rows older than this (by consumed_at)", 0, 0},
+        {"--keys-keep", OPT_DURATION, &cfg.keys_keep_ms, "DURATION", "400d",
+         "forget emitted dedup keys older than this (by first emit); a replayed emit collapses "
+         "for this long",
+         0, 0},
         {"--batch", OPT_INT, &cfg.batch, "N", "5000",
          "rows per DELETE statement (each its own transaction)", 1, 1000000},
         {"--force", OPT_FLAG, &cfg.force, NULL, NULL,
-         "allow a dedup window shorter than the outbox window or 1d", 0, 0},
+         "allow a dedup window shorter than the outbox window or 1d, or keys kept shorter than "
+         "the dedup window",
+         0, 0},
         {0},
     };
     const char *synopsis =
-        "[--outbox-keep DURATION] [--dedup-window DURATION] [--batch N] [--force]";
+        "[--outbox-keep DURATION] [--dedup-window DURATION] [--keys-keep DURATION] [--batch N] "
+        "[--force]";
     int rc = cli_parse("retain", synopsis, argc, argv, opts, g);
     if (rc != 0)
         return rc == CLI_HELP_SHOWN ? CLI_EXIT_OK : rc;
@@ -235,7 +242,7 @@ int cmd_retain(int argc, char **argv, cli_global_t *g)
     cfg.stop = &cli_stop;
     idem_retain_result_t res;
     rc = idem_retain_run(conn, &cfg, &res, &err);
-    PQfinish(conn);
+    idemp_pgconn_close(conn);
     if (rc != IDEM_OK && rc != IDEM_ERR_INTERRUPTED)
         return fail("retain", &err, CLI_EXIT_FAIL);
     if (res.skipped) {
@@ -246,6 +253,8 @@ int cmd_retain(int argc, char **argv, cli_global_t *g)
            res.outbox_batches);
     printf("consumed_events: deleted %" PRId64 " rows in %" PRId64 " batches\n", res.ledger_deleted,
            res.ledger_batches);
+    printf("idem_emitted_keys: deleted %" PRId64 " rows in %" PRId64 " batches\n", res.keys_deleted,
+           res.keys_batches);
     if (rc == IDEM_ERR_INTERRUPTED)
         fprintf(stderr, "idem retain: interrupted; stopped between batches (run again to "
                         "finish)\n");

@@ -1,5 +1,6 @@
 /* cmd_relay.c - `idem relay`: publishes pending outbox rows with confirms. */
 #include <stdio.h>
+#include <string.h>
 
 #include <idem/idem.h>
 
@@ -10,24 +11,39 @@ int cmd_relay(int argc, char **argv, cli_global_t *g)
     idem_relay_config_t cfg;
     idem_relay_config_init(&cfg);
     bool once = false;
+    int64_t heartbeat_ms = -1;
     const cli_opt_t opts[] = {
         {"--once", OPT_FLAG, &once, NULL, NULL, "publish what is due, then exit", 0, 0},
         {"--batch", OPT_INT, &cfg.batch, "N", "200", "rows claimed per transaction", 1, 100000},
         {"--max-attempts", OPT_INT, &cfg.max_attempts, "N", "8",
          "nacks/returns before a row is parked as failed", 1, 1000000},
         {"--backoff-base", OPT_DURATION_MS, &cfg.backoff_base_ms, "DURATION", "1s",
-         "first retry delay of a row, doubling per attempt", 0, 0},
+         "first retry delay of a row, doubling per attempt", 0, 30 * 86400},
         {"--backoff-max", OPT_DURATION_MS, &cfg.backoff_max_ms, "DURATION", "5m",
-         "longest retry delay of a row", 0, 0},
+         "longest retry delay of a row", 0, 30 * 86400},
         {"--poll-interval", OPT_DURATION_MS, &cfg.poll_interval_ms, "DURATION", "200ms",
-         "backstop poll when no NOTIFY arrives", 0, 0},
+         "backstop poll when no NOTIFY arrives", 0, 3600},
+        {"--heartbeat", OPT_DURATION, &heartbeat_ms, "DURATION", "30s",
+         "AMQP heartbeat: a dead link is noticed within two (0s = off; the URL's heartbeat= "
+         "applies when this is not given)",
+         0, 65535},
+        {"--lock-timeout", OPT_DURATION_MS, &cfg.lock_timeout_ms, "DURATION", "5s",
+         "lock_timeout of each transaction (0s = none)", 0, 86400},
+        {"--statement-timeout", OPT_DURATION_MS, &cfg.statement_timeout_ms, "DURATION", "30s",
+         "statement_timeout of each transaction (0s = none)", 0, 86400},
+        {"--no-declare", OPT_FLAG, &cfg.no_declare, NULL, NULL,
+         "declare nothing on RabbitMQ; check that the exchange exists", 0, 0},
         {"--metrics-port", OPT_INT, &cfg.metrics_port, "PORT", "none",
          "serve Prometheus metrics at /metrics", 1, 65535},
+        {"--metrics-addr", OPT_STRING, &cfg.metrics_addr, "ADDR", "127.0.0.1",
+         "listen address of the metrics endpoint", 0, 0},
         {0},
     };
     int rc = cli_parse("relay",
                        "[--once] [--batch N] [--max-attempts N] [--backoff-base D] "
-                       "[--backoff-max D] [--poll-interval D] [--metrics-port PORT]",
+                       "[--backoff-max D] [--poll-interval D] [--heartbeat D] [--lock-timeout D] "
+                       "[--statement-timeout D] [--no-declare] [--metrics-port PORT] "
+                       "[--metrics-addr ADDR]",
                        argc, argv, opts, g);
     if (rc != 0)
         return rc == CLI_HELP_SHOWN ? CLI_EXIT_OK : rc;
@@ -35,6 +51,14 @@ int cmd_relay(int argc, char **argv, cli_global_t *g)
         return cli_usage_error("relay", "--poll-interval must be at least 1ms");
     if (cfg.backoff_max_ms < cfg.backoff_base_ms)
         return cli_usage_error("relay", "--backoff-max must not be below --backoff-base");
+    if (heartbeat_ms >= 0 && heartbeat_ms % 1000 != 0)
+        return cli_usage_error("relay", "--heartbeat must be whole seconds");
+    bool pw_failed;
+    char pw[512];
+    cfg.amqp_password = cli_amqp_password(g, "relay", pw, sizeof pw, &pw_failed);
+    if (pw_failed)
+        return CLI_EXIT_FAIL;
+    cfg.heartbeat_s = heartbeat_ms < 0 ? -1 : (int)(heartbeat_ms / 1000);
     cfg.once = once;
     cfg.pg_conninfo = g->pg;
     cfg.amqp_url = g->amqp;
@@ -43,6 +67,7 @@ int cmd_relay(int argc, char **argv, cli_global_t *g)
 
     idem_error_t err = {0};
     idem_relay_t *r = idem_relay_new(&cfg, &err);
+    memset(pw, 0, sizeof pw);
     if (r == NULL) {
         fprintf(stderr, "idem relay: %s\n", err.text);
         return err.code == IDEM_ERR_INVALID ? CLI_EXIT_USAGE : CLI_EXIT_FAIL;

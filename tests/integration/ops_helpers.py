@@ -71,22 +71,26 @@ def ledger_ids(db, where="true", *params):
         f"SELECT event_id::text FROM consumed_events WHERE {where}", *params))
 
 
-RETAIN_LINE = re.compile(r"^(event_outbox|consumed_events): deleted (\d+) rows in (\d+) batches$")
+RETAIN_LINE = re.compile(
+    r"^(event_outbox|consumed_events|idem_emitted_keys): deleted (\d+) rows in (\d+) batches$")
 
 
-def parse_retain(stdout):
-    """{'event_outbox': (rows, batches), 'consumed_events': (rows, batches)}, or 'skipped'.
-    Fails unless stdout is exactly the contract's lines."""
+def parse_retain(stdout, keys=False):
+    """{'event_outbox': (rows, batches), 'consumed_events': (rows, batches)} (plus
+    'idem_emitted_keys' with keys=True), or 'skipped'. Fails unless stdout is exactly the
+    contract's lines: one per table, the emitted-keys record being a table of its own."""
     lines = stdout.splitlines()
     if lines == ["skipped: another retention run is active"]:
         return "skipped"
-    assert len(lines) == 2, f"unexpected retain output: {stdout!r}"
+    assert len(lines) == 3, f"unexpected retain output: {stdout!r}"
     out = {}
     for line in lines:
         m = RETAIN_LINE.match(line)
         assert m, f"unexpected retain line: {line!r}"
         out[m.group(1)] = (int(m.group(2)), int(m.group(3)))
-    assert list(out) == ["event_outbox", "consumed_events"], stdout
+    assert list(out) == ["event_outbox", "consumed_events", "idem_emitted_keys"], stdout
+    if not keys:
+        del out["idem_emitted_keys"]
     return out
 
 

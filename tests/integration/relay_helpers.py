@@ -69,7 +69,7 @@ def wait_all_sent(db, n, timeout=20, what=None):
 
 def queue_args(queue):
     """The arguments `idem consume` declares QUEUE with (src/rmq.c, src/consumer.c)."""
-    return {"x-queue-type": "quorum", "x-dead-letter-exchange": "",
+    return {"x-queue-type": "quorum", "x-dead-letter-exchange": queue + ".dlx",
             "x-dead-letter-routing-key": queue + ".dlq"}
 
 

@@ -36,7 +36,8 @@ def test_deletes_exactly_old_rows_in_batches(db, servers):
     assert r.returncode == 0, r.stderr
     assert parse_retain(r.stdout) == {"event_outbox": (35, 4), "consumed_events": (35, 4)}
     assert r.stdout == ("event_outbox: deleted 35 rows in 4 batches\n"
-                        "consumed_events: deleted 35 rows in 4 batches\n")
+                        "consumed_events: deleted 35 rows in 4 batches\n"
+                        "idem_emitted_keys: deleted 0 rows in 0 batches\n")
     assert outbox_ids(db) == keep
     assert ledger_ids(db) == keep_ledger
     # untouched rows kept their state

@@ -36,7 +36,7 @@ static idemp_envelope_in_t good(void)
     in.hdr_event_type = S("invoice.paid");
     in.routing_key = S("invoice.paid");
     in.has_timestamp = true;
-    in.timestamp_s = NOW_MS / 1000 - 60;
+    in.timestamp = NOW_MS / 1000 - 60;
     in.body = BODY;
     in.body_len = strlen(BODY);
     return in;
@@ -49,7 +49,8 @@ static idemp_dl_code parse_with(const idemp_envelope_in_t *in, int64_t max, int6
 {
     memset(detail, 'x', sizeof detail - 1);
     detail[sizeof detail - 1] = '\0';
-    return idemp_envelope_parse(in, max, NOW_MS, window, out, detail, sizeof detail);
+    (void)window; /* the age is decided by the database, in the claim */
+    return idemp_envelope_parse(in, max, NOW_MS, out, detail, sizeof detail);
 }
 
 static idemp_dl_code parse(const idemp_envelope_in_t *in, idemp_envelope_t *out)
@@ -388,51 +389,77 @@ static void test_invalid_payload(void **state)
     json_decref(out.payload);
 }
 
-/* ---- stale ---- */
+/* ---- timestamps, order key, seq ---- */
 
-static void test_stale(void **state)
+static void test_timestamp(void **state)
 {
     (void)state;
     idemp_envelope_in_t in = good();
     idemp_envelope_t out;
-
-    /* one day older than the window */
-    in.timestamp_s = (NOW_MS - WINDOW_MS) / 1000 - 86400;
-    expect_dl(&in, IDEMP_DL_STALE);
-    assert_non_null(strstr(detail, "dedup window"));
-
-    /* one second older than the window */
-    in.timestamp_s = (NOW_MS - WINDOW_MS) / 1000 - 1;
-    expect_dl(&in, IDEMP_DL_STALE);
-
-    /* exactly the window old is not older than it */
-    in.timestamp_s = (NOW_MS - WINDOW_MS) / 1000;
-    out = expect_ok(&in);
-    json_decref(out.payload);
-
-    /* fresh */
-    in.timestamp_s = NOW_MS / 1000 - 5;
-    out = expect_ok(&in);
-    json_decref(out.payload);
-
-    /* from the (slightly) future: not stale */
-    in.timestamp_s = NOW_MS / 1000 + 30;
-    out = expect_ok(&in);
-    json_decref(out.payload);
-
-    /* no timestamp: never stale, whatever timestamp_s holds */
+    static const struct {
+        uint64_t raw;
+        bool usable;
+    } cases[] = {
+        {0, true},                            /* the epoch: usable (and very old) */
+        {NOW_MS / 1000 - 40LL * 86400, true}, /* older than any window: the claim decides */
+        {NOW_MS / 1000 + 3600, true},         /* an hour ahead: clock skew */
+        {NOW_MS / 1000 + 86400, true},        /* exactly a day ahead */
+        {NOW_MS / 1000 + 86401, false},       /* more than a day ahead */
+        {NOW_MS, false},                      /* milliseconds by mistake */
+        {NOW_MS * 1000000ULL, false},         /* nanoseconds by mistake */
+        {1ULL << 63, false},                  /* negative as a signed number */
+        {UINT64_MAX, false},                  /* -1 */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        in.has_timestamp = true;
+        in.timestamp = cases[i].raw;
+        out = expect_ok(&in);
+        if (out.has_timestamp != cases[i].usable)
+            fail_msg("timestamp %llu: usable %d, want %d", (unsigned long long)cases[i].raw,
+                     out.has_timestamp, cases[i].usable);
+        if (cases[i].usable)
+            assert_int_equal(out.timestamp_s, (int64_t)cases[i].raw);
+        json_decref(out.payload);
+    }
     in.has_timestamp = false;
-    in.timestamp_s = 0;
+    in.timestamp = NOW_MS / 1000;
     out = expect_ok(&in);
+    assert_false(out.has_timestamp);
     json_decref(out.payload);
+}
 
-    /* a short window */
-    in = good();
-    in.timestamp_s = NOW_MS / 1000 - 120;
-    assert_int_equal(parse_with(&in, MAX_BYTES, 60 * 1000, &out), IDEMP_DL_STALE);
-    assert_null(out.payload);
-    assert_int_equal(parse_with(&in, MAX_BYTES, 600 * 1000, &out), IDEMP_DL_NONE);
+static void test_order_key_and_seq(void **state)
+{
+    (void)state;
+    idemp_envelope_in_t in = good();
+    /* the header names the subscription, whatever the payload says */
+    in.hdr_subscription_id = S("{0B1A5E2F-3C4D-4E5F-8A9B-0C1D2E3F4A5B}");
+    in.has_seq = true;
+    in.seq = 42;
+    idemp_envelope_t out = expect_ok(&in);
+    assert_string_equal(out.subscription_id, ID2);
+    assert_true(out.has_seq);
+    assert_int_equal(out.seq, 42);
     json_decref(out.payload);
+    /* a header that is not a UUID falls back to the payload's */
+    in.hdr_subscription_id = S("nope");
+    in.has_seq = false;
+    out = expect_ok(&in);
+    assert_string_equal(out.subscription_id, SUB);
+    assert_false(out.has_seq);
+    json_decref(out.payload);
+}
+
+static void test_oversized_unread(void **state)
+{
+    (void)state;
+    /* a body too large to read comes without bytes, only its declared size */
+    idemp_envelope_in_t in = good();
+    in.body = NULL;
+    in.body_len = 0;
+    in.body_size = 64ULL << 20;
+    expect_dl(&in, IDEMP_DL_OVERSIZED);
+    assert_non_null(strstr(detail, "67108864"));
 }
 
 static void test_check_order(void **state)
@@ -450,9 +477,9 @@ static void test_check_order(void **state)
     in.hdr_event_id = S(NULL);
     expect_dl(&in, IDEMP_DL_MISSING_EVENT_ID);
 
-    /* a non-object body before staleness */
+    /* a non-object body, whatever the timestamp */
     in = good();
-    in.timestamp_s = 0;
+    in.timestamp = 0;
     in.body = "[]";
     in.body_len = 2;
     expect_dl(&in, IDEMP_DL_INVALID_PAYLOAD);
@@ -537,7 +564,9 @@ int main(void)
         cmocka_unit_test(test_event_type_too_long),
         cmocka_unit_test(test_malformed_json),
         cmocka_unit_test(test_invalid_payload),
-        cmocka_unit_test(test_stale),
+        cmocka_unit_test(test_timestamp),
+        cmocka_unit_test(test_order_key_and_seq),
+        cmocka_unit_test(test_oversized_unread),
         cmocka_unit_test(test_check_order),
         cmocka_unit_test(test_subscription_id),
         cmocka_unit_test(test_code_names),

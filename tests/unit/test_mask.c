@@ -393,13 +393,41 @@ static void test_url_percent(void **state)
     url_bad("amqp://h/v%g1");
 }
 
+static void test_url_tls_and_query(void **state)
+{
+    (void)state;
+    url_ok("amqps://h");
+    assert_true(U.tls);
+    assert_int_equal(U.port, 5671);
+    assert_true(U.verify_peer);
+    assert_int_equal(U.heartbeat_s, -1);
+    url_ok("amqps://u:p@h:1234/v?cacertfile=%2Fetc%2Fca.pem&certfile=/c.pem&keyfile=/k.pem"
+           "&verify=verify_none&server_name_indication=broker.example&heartbeat=7&other=x");
+    assert_true(U.tls);
+    assert_int_equal(U.port, 1234);
+    assert_string_equal(U.vhost, "v");
+    assert_string_equal(U.cacertfile, "/etc/ca.pem");
+    assert_string_equal(U.certfile, "/c.pem");
+    assert_string_equal(U.keyfile, "/k.pem");
+    assert_false(U.verify_peer);
+    assert_string_equal(U.sni, "broker.example");
+    assert_int_equal(U.heartbeat_s, 7);
+    url_ok("amqp://h/?heartbeat=0");
+    assert_false(U.tls);
+    assert_string_equal(U.vhost, "/");
+    assert_int_equal(U.heartbeat_s, 0);
+}
+
 static void test_url_bad(void **state)
 {
     (void)state;
     url_bad(NULL);
     url_bad("");
     url_bad("http://h");
-    url_bad("amqps://h"); /* TLS is not supported by this parser */
+    url_bad("amqps://h?verify=maybe"); /* verify_peer or verify_none */
+    url_bad("amqp://h?heartbeat=x");
+    url_bad("amqp://h?heartbeat=70000");
+    url_bad("amqp://h?novalue");
     url_bad("AMQP//h");
     url_bad("h:5672");
     url_bad("amqp:/h");
@@ -472,6 +500,7 @@ int main(void)
         cmocka_unit_test(test_url_vhost),
         cmocka_unit_test(test_url_percent),
         cmocka_unit_test(test_url_bad),
+        cmocka_unit_test(test_url_tls_and_query),
         cmocka_unit_test(test_url_too_long),
         cmocka_unit_test(test_url_mask_agree),
     };

@@ -1,0 +1,110 @@
+/* consumer_int.h - the consumer's parts: consumer.c (lifecycle, connections, topology, the loop),
+ * consumer_tx.c (a batch's transaction and how it settles), consumer_window.c (the deliveries in
+ * hand: which may go next, which can be acked). Not for other modules. */
+#ifndef IDEM_CONSUMER_INT_H
+#define IDEM_CONSUMER_INT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <idem/consumer.h>
+#include <idem/log.h>
+
+#include "backoff.h"
+#include "envelope.h"
+#include "metrics.h"
+#include "pg.h"
+#include "registry.h"
+#include "rmq.h"
+
+/* A delivery's life: read and validated (READY, or DEAD when it must be dead-lettered), tried in
+ * a transaction, then DONE (committed, duplicate or dead-lettered: ack it) or WAIT (a retry or a
+ * pause: due again at due_ms). */
+enum dstate { D_READY, D_WAIT, D_DEAD, D_DONE };
+
+typedef struct delivery {
+    idemp_msg_t *msg; /* owned */
+    uint64_t tag;
+    idemp_envelope_t ev; /* ev.payload owned */
+    const idemp_handler_entry_t *handler;
+    enum dstate state;
+    int tries; /* failed tries that count against --max-retries */
+    int64_t due_ms;
+    idemp_dl_code dl_code;
+    char detail[512];
+    size_t bytes; /* body bytes held */
+} delivery_t;
+
+/* A handler that calls a SQL function (idem_consumer_register_sql). */
+typedef struct sql_handler {
+    char *call;      /* SELECT "schema"."fn"($1::uuid, ...) */
+    char *signature; /* "schema"."fn"(uuid,text,uuid,jsonb,jsonb), for the existence check */
+} sql_handler_t;
+
+struct idem_consumer {
+    char *consumer, *queue, *pg_conninfo, *amqp_url, *exchange;
+    char *dlq, *dlx, *hash_exchange;
+    char **queues; /* the queues this process consumes: QUEUE, or its partitions */
+    int nqueues;
+    char **binds;                 /* NULL-terminated, owned */
+    sql_handler_t **sql_handlers; /* owned; registry entries point at them */
+    size_t nsql_handlers;
+    bool sql_checked; /* the SQL handlers' functions were found */
+    idem_consumer_config_t cfg;
+    idemp_registry_t *reg;
+    idemp_pg_t *pg;
+    idemp_amqp_t *in;  /* consuming connection */
+    idemp_amqp_t *out; /* dead-letter publishing connection (confirms) */
+    idemp_metrics_t *metrics;
+    char settings[2][24]; /* lock_timeout, statement_timeout for set_config, in ms */
+    char window_s[24];    /* the dedup window less its safety margin, in seconds */
+
+    delivery_t **win; /* deliveries in hand, in delivery-tag order */
+    size_t nwin, capwin;
+    size_t win_bytes;
+
+    int64_t pause_until;
+    idemp_backoff_t pause_backoff;
+    char pause_cause[8]; /* SQLSTATE (or "conn") of the current pause, "" when not paused */
+    int64_t pause_since;
+    volatile sig_atomic_t no_stop;
+};
+
+/* ---- consumer_window.c: pure decisions over the deliveries in hand ---- */
+
+/* Picks into out (capacity max) the deliveries that may be tried now, in tag order: READY ones
+ * and WAIT ones that are due, each only if no earlier unfinished delivery of its subscription
+ * stays behind (a delivery waiting for a retry holds the later ones of its subscription; a
+ * dead-lettered one holds nothing). Returns how many were picked. */
+size_t idemp_window_pick(delivery_t *const *win, size_t n, int64_t now, delivery_t **out,
+                         size_t max);
+
+/* The earliest time a WAIT delivery becomes due (INT64_MAX when none). */
+int64_t idemp_window_next_due(delivery_t *const *win, size_t n);
+
+/* Which DONE deliveries to ack: one basic.ack(multiple) up to *multi_tag (0 = none) covers every
+ * DONE delivery older than the oldest unfinished one; the DONE ones after it go one by one, their
+ * indexes written to single (capacity n), their count returned. */
+size_t idemp_window_ack_plan(delivery_t *const *win, size_t n, uint64_t *multi_tag, size_t *single);
+
+/* ---- consumer_tx.c ---- */
+
+typedef struct tx_counts {
+    uint64_t applied, duplicates;
+} tx_counts_t;
+
+/* Tries the deliveries picked (sorted here by subscription, then tag) in one pipelined
+ * transaction, falling back to one transaction per delivery when any of them fails; every
+ * delivery ends DONE, DEAD (with its code), WAIT (a retry, or a pause of the whole consumer: see
+ * idemp_consumer_pause), or READY again (not tried: a pause stopped the batch). */
+void idemp_consumer_apply(idem_consumer_t *c, delivery_t **ds, size_t n, tx_counts_t *counts);
+
+/* Pauses the consumer: nothing is tried before the backoff passes; the cause (a SQLSTATE or
+ * "conn") is logged at error level when it starts or changes and counted. */
+void idemp_consumer_pause(idem_consumer_t *c, const char *cause, const char *detail);
+
+void idemp_consumer_log(idem_log_level lvl, const idem_consumer_t *c, const delivery_t *d,
+                        const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+
+#endif

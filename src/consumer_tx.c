@@ -1,0 +1,347 @@
+/* consumer_tx.c - one transaction over a batch of deliveries: claim the event ids, run the
+ * handlers on the same connection, COMMIT; and how every outcome settles under the failure policy
+ * (retry, reject, pause). Acks and dead letters happen in consumer.c, after this returns. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <idem/log.h>
+
+#include "backoff.h"
+#include "clock.h"
+#include "consumer_int.h"
+#include "event.h"
+#include "fault.h"
+#include "mask.h"
+#include "policy.h"
+
+#define RETRY_BASE_MS 1000
+#define RETRY_MAX_MS 30000
+
+/* Transaction-local, so nothing leaks to other clients of a pooled server connection. */
+#define SQL_SETTINGS                                                                               \
+    "SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true),"      \
+    " set_config('jit', 'off', true)"
+
+/* Claims the ids that are new for the consumer and young enough, by the database's clock, that
+ * their ledger rows cannot have been deleted by retention (see consumer.c on the margin); reports
+ * the others as stale. Ids are inserted in the batch's order, a stable lock order. */
+#define SQL_CLAIM                                                                                  \
+    "WITH c AS (SELECT e, ts, i FROM unnest($2::uuid[], $3::bigint[]) WITH ORDINALITY AS c(e, "    \
+    "ts, "                                                                                         \
+    "i)), t AS (SELECT floor(extract(epoch FROM clock_timestamp()))::bigint AS now_s), "           \
+    "ins AS (INSERT INTO consumed_events (consumer, event_id) SELECT $1, c.e FROM c, t "           \
+    "WHERE c.ts IS NULL OR t.now_s - c.ts < $4::bigint ORDER BY c.i "                              \
+    "ON CONFLICT DO NOTHING RETURNING event_id) "                                                  \
+    "SELECT event_id::text, 'c' FROM ins UNION ALL "                                               \
+    "SELECT c.e::text, 's' FROM c, t WHERE c.ts IS NOT NULL AND t.now_s - c.ts >= $4::bigint"
+
+typedef enum { R_OK, R_FALLBACK, R_PAUSE } run_result;
+
+static const char *const LOGC = "consumer";
+
+void idemp_consumer_log(idem_log_level lvl, const idem_consumer_t *c, const delivery_t *d,
+                        const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    char *msg = idemp_vformat(fmt, ap);
+    va_end(ap);
+    const char *kv[] = {"consumer",   c->consumer,
+                        "queue",      c->queue,
+                        "event_id",   d != NULL && d->ev.event_id[0] ? d->ev.event_id : NULL,
+                        "event_type", d != NULL && d->ev.event_type[0] ? d->ev.event_type : NULL,
+                        NULL};
+    idem_log(lvl, LOGC, kv, "%s", msg ? msg : "out of memory");
+    free(msg);
+}
+
+void idemp_consumer_pause(idem_consumer_t *c, const char *cause, const char *detail)
+{
+    int64_t now = idemp_now_ms();
+    int64_t wait = idemp_backoff_next(&c->pause_backoff);
+    if (wait < c->pause_backoff.base_ms)
+        wait = c->pause_backoff.base_ms;
+    c->pause_until = now + wait;
+    bool changed = strcmp(c->pause_cause, cause) != 0;
+    if (c->pause_cause[0] == '\0')
+        c->pause_since = now;
+    snprintf(c->pause_cause, sizeof c->pause_cause, "%s", cause);
+    idemp_metrics_paused(c->metrics, cause);
+    /* an error line when a pause starts or its cause changes; its repeats at debug level */
+    idemp_consumer_log(changed ? IDEM_LOG_ERROR : IDEM_LOG_DEBUG, c, NULL,
+                       "paused (SQLSTATE %s), nothing spent or dead-lettered, trying again in "
+                       "%lld ms: %s",
+                       cause, (long long)wait, detail);
+}
+
+static void resumed(idem_consumer_t *c)
+{
+    if (c->pause_cause[0] == '\0')
+        return;
+    idemp_consumer_log(IDEM_LOG_INFO, c, NULL, "resumed after %.1f s paused (SQLSTATE %s)",
+                       (double)(idemp_now_ms() - c->pause_since) / 1000.0, c->pause_cause);
+    c->pause_cause[0] = '\0';
+    idemp_backoff_reset(&c->pause_backoff);
+}
+
+/* Settles a failed try of d under policy p. */
+static void settle_failure(idem_consumer_t *c, delivery_t *d, idemp_policy p, const char *why)
+{
+    if (why != d->detail)
+        snprintf(d->detail, sizeof d->detail, "%s", why);
+    idemp_metrics_add(c->metrics, IDEMP_M_CONSUMER_HANDLER_ERRORS, 1);
+    if (p == IDEMP_POLICY_REJECT) {
+        d->dl_code = IDEMP_DL_HANDLER_REJECTED;
+        d->state = D_DEAD;
+        return;
+    }
+    d->tries++;
+    if (d->tries > c->cfg.max_retries) {
+        char last[sizeof d->detail];
+        snprintf(last, sizeof last, "%s", d->detail);
+        snprintf(d->detail, sizeof d->detail, "%d tries, last error: %.400s", d->tries, last);
+        d->dl_code = IDEMP_DL_RETRIES_EXHAUSTED;
+        d->state = D_DEAD;
+        return;
+    }
+    int64_t delay = idemp_backoff_delay(RETRY_BASE_MS, RETRY_MAX_MS, d->tries);
+    d->due_ms = idemp_now_ms() + delay;
+    d->state = D_WAIT;
+    idemp_consumer_log(IDEM_LOG_WARN, c, d, "try %d failed, retrying in %lld ms: %.500s", d->tries,
+                       (long long)delay, d->detail);
+}
+
+/* Where a try failed: before the handlers (the runtime's own statements), in a handler, or at
+ * COMMIT. */
+typedef enum { AT_NONE, AT_CLAIM, AT_HANDLER, AT_COMMIT } fail_at;
+
+typedef struct attempt {
+    int rc;
+    idem_error_t err;
+    fail_at at;
+    delivery_t *failed; /* the delivery whose handler failed */
+    idem_outcome outcome;
+    char sqlstate[6]; /* of the handler's failed statement */
+    bool *claimed, *stale;
+} attempt_t;
+
+static void build_arrays(delivery_t **ds, size_t n, idemp_pgarray_t *ids, idemp_pgarray_t *tss)
+{
+    idemp_pgarray_init(ids);
+    idemp_pgarray_init(tss);
+    for (size_t i = 0; i < n; i++) {
+        char ts[24];
+        idemp_pgarray_add(ids, ds[i]->ev.event_id);
+        if (ds[i]->ev.has_timestamp)
+            snprintf(ts, sizeof ts, "%lld", (long long)ds[i]->ev.timestamp_s);
+        idemp_pgarray_add(tss, ds[i]->ev.has_timestamp ? ts : NULL);
+    }
+}
+
+/* BEGIN, settings and the claim, pipelined in one round trip; marks claimed[] and stale[]. A
+ * single delivery leaves pipeline mode here, so that its handler's statements fail one by one
+ * (the failure policy needs to know which one failed); a batch stays pipelined. */
+static int claim(idem_consumer_t *c, delivery_t **ds, size_t n, bool single, attempt_t *a)
+{
+    idemp_pgarray_t ids, tss;
+    build_arrays(ds, n, &ids, &tss);
+    const char *ids_s = idemp_pgarray_str(&ids), *tss_s = idemp_pgarray_str(&tss);
+    int rc = ids_s && tss_s ? IDEM_OK : idem_error_set(&a->err, IDEM_ERR_NOMEM, "out of memory");
+    if (rc == IDEM_OK)
+        rc = idemp_pg_command(c->pg, "BEGIN", &a->err);
+    if (rc == IDEM_OK) {
+        const char *p[] = {c->settings[0], c->settings[1]};
+        rc = idemp_pg_exec(c->pg, SQL_SETTINGS, 2, p, NULL, &a->err);
+    }
+    idemp_rows_t *res = NULL;
+    if (rc == IDEM_OK) {
+        const char *p[] = {c->consumer, ids_s, tss_s, c->window_s};
+        rc = single ? idemp_pg_pipeline_finish(c->pg, SQL_CLAIM, 4, p, &res, &a->err)
+                    : idemp_pg_exec(c->pg, SQL_CLAIM, 4, p, &res, &a->err);
+    }
+    for (int r = 0; rc == IDEM_OK && r < idemp_rows_count(res); r++) {
+        const char *id = idemp_rows_get(res, r, 0);
+        bool is_stale = idemp_rows_get(res, r, 1)[0] == 's';
+        for (size_t i = 0; i < n; i++) {
+            if (memcmp(ds[i]->ev.event_id, id, 36) != 0)
+                continue;
+            if (is_stale) {
+                a->stale[i] = true; /* every delivery of that id */
+            } else if (!a->claimed[i]) {
+                a->claimed[i] = true; /* a repeat of an id in the same batch stays unclaimed */
+                break;
+            }
+        }
+    }
+    idemp_rows_free(res);
+    idemp_pgarray_free(&ids);
+    idemp_pgarray_free(&tss);
+    return rc;
+}
+
+/* Runs the handlers of the claimed deliveries; stops at the first failure. */
+static int handle(idem_consumer_t *c, delivery_t **ds, size_t n, attempt_t *a)
+{
+    struct idem_event ev;
+    for (size_t i = 0; i < n; i++) {
+        if (!a->claimed[i])
+            continue;
+        delivery_t *d = ds[i];
+        idemp_event_init(&ev, d->ev.event_id, d->ev.event_type, c->consumer, d->ev.subscription_id,
+                         d->ev.payload, d->msg, c->pg);
+        ev.has_seq = d->ev.has_seq;
+        ev.seq = d->ev.seq;
+        idem_outcome o = d->handler->fn(&ev, d->handler->userdata);
+        idemp_amqp_keepalive(c->in); /* a slow batch must not look like a dead link */
+        if (ev.pg_lost || !idemp_pg_connected(c->pg))
+            return idem_error_set(&a->err, IDEM_ERR_PG_LOST, "connection lost in a handler: %s",
+                                  ev.detail);
+        if (o != IDEM_DONE) {
+            a->failed = d;
+            a->outcome = o;
+            snprintf(a->sqlstate, sizeof a->sqlstate, "%s", ev.sqlstate);
+            snprintf(d->detail, sizeof d->detail, "%s",
+                     ev.failed ? ev.detail : "handler failed without a reason");
+            return IDEM_ERR_PG_QUERY;
+        }
+    }
+    return IDEM_OK;
+}
+
+/* One transaction over ds[0..n): all or nothing. */
+static void attempt(idem_consumer_t *c, delivery_t **ds, size_t n, bool single, attempt_t *a)
+{
+    a->at = AT_CLAIM;
+    a->rc = idemp_pg_pipeline_begin(c->pg, &a->err);
+    if (a->rc == IDEM_OK)
+        a->rc = claim(c, ds, n, single, a);
+    if (a->rc == IDEM_OK) {
+        a->at = AT_HANDLER;
+        a->rc = handle(c, ds, n, a);
+    }
+    if (a->rc == IDEM_OK) {
+        a->at = AT_COMMIT;
+        idemp_fault_point("consumer.before_commit");
+        a->rc = idemp_pg_commit(c->pg, &a->err);
+        if (a->rc == IDEM_OK) {
+            a->at = AT_NONE;
+            idemp_fault_point("consumer.after_commit");
+            return;
+        }
+    }
+    idemp_pg_rollback(c->pg);
+}
+
+static run_result run(idem_consumer_t *c, delivery_t **ds, size_t n, bool single,
+                      tx_counts_t *counts)
+{
+    attempt_t a;
+    memset(&a, 0, sizeof a);
+    a.claimed = calloc(n, sizeof *a.claimed);
+    a.stale = calloc(n, sizeof *a.stale);
+    if (a.claimed == NULL || a.stale == NULL) {
+        free(a.claimed);
+        free(a.stale);
+        idemp_consumer_pause(c, "53200", "out of memory");
+        return R_PAUSE;
+    }
+    attempt(c, ds, n, single, &a);
+    run_result result = R_OK;
+    if (a.at == AT_NONE) {
+        for (size_t i = 0; i < n; i++) {
+            delivery_t *d = ds[i];
+            if (a.stale[i]) {
+                d->dl_code = IDEMP_DL_STALE;
+                snprintf(d->detail, sizeof d->detail,
+                         "timestamp %lld is older than the dedup window of %s s less its safety "
+                         "margin, by the database clock",
+                         (long long)d->ev.timestamp_s, c->window_s);
+                d->state = D_DEAD;
+            } else {
+                d->state = D_DONE;
+                if (a.claimed[i])
+                    counts->applied++;
+                else
+                    counts->duplicates++;
+            }
+        }
+        resumed(c);
+    } else if (a.rc == IDEM_ERR_PG_LOST || !idemp_pg_connected(c->pg)) {
+        /* the outcome of what was in flight is unknown: redo it after reconnecting, the claim
+         * absorbs whatever did commit; nothing is acked meanwhile */
+        idemp_consumer_pause(c, "08006", a.err.text[0] ? a.err.text : "connection lost");
+        result = R_PAUSE;
+    } else if (!single) {
+        idemp_consumer_log(IDEM_LOG_DEBUG, c, NULL, "batch of %zu failed, one by one: %s", n,
+                           a.err.text[0] ? a.err.text : ds[0]->detail);
+        result = R_FALLBACK;
+    } else if (a.at == AT_CLAIM) {
+        /* the runtime's own statement failed: nothing about this event is at fault */
+        idemp_consumer_pause(c, a.err.sqlstate[0] ? a.err.sqlstate : "XX000", a.err.text);
+        result = R_PAUSE;
+    } else if (a.at == AT_HANDLER) {
+        delivery_t *d = a.failed;
+        idemp_policy p;
+        if (a.sqlstate[0] != '\0')
+            p = idemp_policy_for_handler(a.sqlstate);
+        else
+            p = a.outcome == IDEM_REJECT ? IDEMP_POLICY_REJECT : IDEMP_POLICY_RETRY;
+        if (a.outcome == IDEM_INVALID && a.sqlstate[0] == '\0') {
+            d->dl_code = IDEMP_DL_INVALID_PAYLOAD;
+            d->state = D_DEAD;
+        } else if (p == IDEMP_POLICY_PAUSE) {
+            idemp_consumer_pause(c, a.sqlstate, d->detail);
+            result = R_PAUSE;
+        } else {
+            settle_failure(c, d, p, d->detail);
+        }
+    } else { /* AT_COMMIT */
+        delivery_t *d = ds[0];
+        idemp_policy p = a.rc == IDEM_ERR_PG_ROLLBACK ? IDEMP_POLICY_RETRY
+                                                      : idemp_policy_for_commit(a.err.sqlstate);
+        if (p == IDEMP_POLICY_PAUSE) {
+            idemp_consumer_pause(c, a.err.sqlstate[0] ? a.err.sqlstate : "XX000", a.err.text);
+            result = R_PAUSE;
+        } else {
+            settle_failure(c, d, p, a.err.text);
+        }
+    }
+    free(a.claimed);
+    free(a.stale);
+    return result;
+}
+
+/* Stable order for the batch transaction: by subscription, then delivery order, so that
+ * concurrent consumers lock rows in the same order and a subscription's events apply in order. */
+static int by_subscription(const void *x, const void *y)
+{
+    const delivery_t *a = *(delivery_t *const *)x, *b = *(delivery_t *const *)y;
+    int r = strcmp(a->ev.subscription_id, b->ev.subscription_id);
+    if (r != 0)
+        return r;
+    return a->tag < b->tag ? -1 : a->tag > b->tag;
+}
+
+void idemp_consumer_apply(idem_consumer_t *c, delivery_t **ds, size_t n, tx_counts_t *counts)
+{
+    if (n == 0)
+        return;
+    qsort(ds, n, sizeof *ds, by_subscription);
+    run_result r = run(c, ds, n, n == 1, counts);
+    if (r != R_FALLBACK)
+        return;
+    /* one by one; a delivery left waiting for its retry holds the rest of its subscription */
+    const char *held = NULL;
+    for (size_t i = 0; i < n; i++) {
+        delivery_t *d = ds[i];
+        if (held != NULL && d->ev.subscription_id[0] && strcmp(held, d->ev.subscription_id) == 0)
+            continue; /* stays as it was, behind the waiting one */
+        held = NULL;
+        if (run(c, &ds[i], 1, true, counts) == R_PAUSE)
+            return;
+        if (d->state == D_WAIT && d->ev.subscription_id[0])
+            held = d->ev.subscription_id;
+    }
+}

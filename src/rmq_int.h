@@ -1,0 +1,59 @@
+/* rmq_int.h - what rmq.c (connections, topology, confirms) and rmq_msg.c (deliveries, the
+ * dead-letter copy, event publishes) share. Not for other modules. */
+#ifndef IDEM_RMQ_INT_H
+#define IDEM_RMQ_INT_H
+
+#include <amqp.h>
+#include <amqp_framing.h>
+
+#include "backoff.h"
+#include "rmq.h"
+
+#define IDEMP_CHANNEL 1
+#define IDEMP_FRAME_MAX 131072
+
+struct idemp_amqp {
+    idemp_amqp_url_t urls[IDEMP_AMQP_URLS_MAX];
+    int nurls, cur;
+    const char *component;
+    int heartbeat_s; /* requested */
+    char where[300];
+    amqp_connection_state_t conn;
+    bool connected;
+    bool confirms;
+    int close_code;     /* reply code of the last channel/connection close by the broker */
+    int64_t last_send;  /* monotonic ms of our last frame sent (for keepalive) */
+    uint64_t next_tag;  /* next publish sequence number in confirm mode */
+    uint64_t confirmed; /* all tags <= confirmed are settled */
+    uint8_t *settled;   /* settled[i]: tag confirmed + 1 + i settled out of order */
+    size_t settled_cap;
+    uint64_t body_left; /* bytes of an unread (oversized) body still on the wire */
+    uint8_t *scratch;   /* IDEMP_FRAME_MAX bytes for measuring encoded properties */
+    idemp_backoff_t backoff;
+    int64_t next_ms;
+    bool was_up, failing;
+};
+
+struct idemp_msg {
+    uint64_t tag;
+    bool redelivered;
+    amqp_bytes_t exchange, routing_key; /* in pool */
+    amqp_pool_t pool;                   /* owns the cloned properties */
+    amqp_basic_properties_t props;
+    amqp_bytes_t body; /* malloc'd; empty when not read */
+    uint64_t body_size;
+    bool oversized;
+};
+
+/* Marks the connection unusable and returns an IDEM_ERR_AMQP_LOST error naming what failed. */
+int idemp_amqp_lost(idemp_amqp_t *a, int amqp_status, const char *what, idem_error_t *err);
+/* Answers a connection.close or channel.close frame and returns IDEM_ERR_AMQP. */
+int idemp_amqp_on_close(idemp_amqp_t *a, const amqp_frame_t *f, idem_error_t *err);
+/* amqp_simple_wait_frame_noblock with a timeout in ms; IDEM_ERR_TIMEOUT when nothing arrived. */
+int idemp_amqp_wait_frame(idemp_amqp_t *a, amqp_frame_t *f, int64_t timeout_ms, idem_error_t *err);
+/* Bookkeeping after a publish: assigns the tag. */
+void idemp_amqp_published(idemp_amqp_t *a, uint64_t *tag);
+/* Waits for the confirm of tag (ack: IDEM_OK; nack or return: IDEM_ERR_AMQP). */
+int idemp_amqp_confirm_one(idemp_amqp_t *a, uint64_t tag, int64_t timeout_ms, idem_error_t *err);
+
+#endif

@@ -1,0 +1,627 @@
+/* rmq_msg.c - messages: reading deliveries frame by frame (the body size is known before the
+ * body is read), mapping them to envelope fields, the dead-letter copy (streamed when the body
+ * was too large to read), and the relay's event publishes. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <jansson.h>
+
+#include <idem/log.h>
+
+#include "clock.h"
+#include "rmq_int.h"
+
+/* A content header and body frames follow their basic.deliver at once: a longer silence is a
+ * broken link (heartbeats keep a healthy one talking). */
+#define FRAME_WAIT_MS 30000
+#define HEADER_FRAME_OVERHEAD 20 /* frame header + end octet + class, weight and body size */
+
+/* ---- properties --------------------------------------------------------------------------- */
+
+static int dup_bytes(amqp_pool_t *pool, amqp_bytes_t src, amqp_bytes_t *dst)
+{
+    if (src.len == 0) {
+        *dst = amqp_empty_bytes;
+        return AMQP_STATUS_OK;
+    }
+    amqp_pool_alloc_bytes(pool, src.len, dst);
+    if (dst->bytes == NULL)
+        return AMQP_STATUS_NO_MEMORY;
+    memcpy(dst->bytes, src.bytes, src.len);
+    return AMQP_STATUS_OK;
+}
+
+/* Deep copy of decoded properties into pool (librabbitmq 0.11 does not export its own). */
+static int clone_props(const amqp_basic_properties_t *src, amqp_basic_properties_t *dst,
+                       amqp_pool_t *pool)
+{
+    *dst = *src;
+    int rc = AMQP_STATUS_OK;
+#define CLONE(flag, field)                                                                         \
+    if (rc == AMQP_STATUS_OK && (src->_flags & (flag)))                                            \
+    rc = dup_bytes(pool, src->field, &dst->field)
+    CLONE(AMQP_BASIC_CONTENT_TYPE_FLAG, content_type);
+    CLONE(AMQP_BASIC_CONTENT_ENCODING_FLAG, content_encoding);
+    CLONE(AMQP_BASIC_CORRELATION_ID_FLAG, correlation_id);
+    CLONE(AMQP_BASIC_REPLY_TO_FLAG, reply_to);
+    CLONE(AMQP_BASIC_EXPIRATION_FLAG, expiration);
+    CLONE(AMQP_BASIC_MESSAGE_ID_FLAG, message_id);
+    CLONE(AMQP_BASIC_TYPE_FLAG, type);
+    CLONE(AMQP_BASIC_USER_ID_FLAG, user_id);
+    CLONE(AMQP_BASIC_APP_ID_FLAG, app_id);
+    CLONE(AMQP_BASIC_CLUSTER_ID_FLAG, cluster_id);
+#undef CLONE
+    if (rc == AMQP_STATUS_OK && (src->_flags & AMQP_BASIC_HEADERS_FLAG))
+        rc = amqp_table_clone(&src->headers, &dst->headers, pool);
+    return rc;
+}
+
+static const amqp_field_value_t *header(const amqp_basic_properties_t *p, const char *name)
+{
+    if (!(p->_flags & AMQP_BASIC_HEADERS_FLAG))
+        return NULL;
+    size_t n = strlen(name);
+    for (int i = 0; i < p->headers.num_entries; i++) {
+        const amqp_table_entry_t *e = &p->headers.entries[i];
+        if (e->key.len == n && memcmp(e->key.bytes, name, n) == 0)
+            return &e->value;
+    }
+    return NULL;
+}
+
+static bool is_string(const amqp_field_value_t *v)
+{
+    return v->kind == AMQP_FIELD_KIND_UTF8 || v->kind == AMQP_FIELD_KIND_BYTES;
+}
+
+static idemp_str_t str_of(amqp_bytes_t b)
+{
+    return (idemp_str_t){b.bytes, b.len};
+}
+
+static idemp_str_t header_str(const amqp_basic_properties_t *p, const char *name, bool *bad)
+{
+    const amqp_field_value_t *v = header(p, name);
+    if (bad != NULL)
+        *bad = v != NULL && !is_string(v);
+    if (v == NULL || !is_string(v))
+        return (idemp_str_t){NULL, 0};
+    return str_of(v->value.bytes);
+}
+
+static bool header_int(const amqp_basic_properties_t *p, const char *name, int64_t *out)
+{
+    const amqp_field_value_t *v = header(p, name);
+    if (v == NULL)
+        return false;
+    switch (v->kind) {
+    case AMQP_FIELD_KIND_I8:
+        *out = v->value.i8;
+        return true;
+    case AMQP_FIELD_KIND_U8:
+        *out = v->value.u8;
+        return true;
+    case AMQP_FIELD_KIND_I16:
+        *out = v->value.i16;
+        return true;
+    case AMQP_FIELD_KIND_U16:
+        *out = v->value.u16;
+        return true;
+    case AMQP_FIELD_KIND_I32:
+        *out = v->value.i32;
+        return true;
+    case AMQP_FIELD_KIND_U32:
+        *out = v->value.u32;
+        return true;
+    case AMQP_FIELD_KIND_I64:
+        *out = v->value.i64;
+        return true;
+    case AMQP_FIELD_KIND_U64:
+        if (v->value.u64 > (uint64_t)INT64_MAX)
+            return false;
+        *out = (int64_t)v->value.u64;
+        return true;
+    default:
+        return false;
+    }
+}
+
+/* ---- deliveries ---------------------------------------------------------------------------- */
+
+void idemp_msg_free(idemp_msg_t *m)
+{
+    if (m == NULL)
+        return;
+    amqp_bytes_free(m->body);
+    empty_amqp_pool(&m->pool);
+    free(m);
+}
+
+uint64_t idemp_msg_tag(const idemp_msg_t *m)
+{
+    return m->tag;
+}
+
+bool idemp_msg_oversized(const idemp_msg_t *m)
+{
+    return m->oversized;
+}
+
+uint64_t idemp_msg_body_size(const idemp_msg_t *m)
+{
+    return m->body_size;
+}
+
+void idemp_msg_envelope_in(const idemp_msg_t *m, idemp_envelope_in_t *in)
+{
+    const amqp_basic_properties_t *p = &m->props;
+    memset(in, 0, sizeof *in);
+    if (p->_flags & AMQP_BASIC_MESSAGE_ID_FLAG)
+        in->message_id = str_of(p->message_id);
+    in->hdr_event_id = header_str(p, "event_id", &in->hdr_event_id_bad_kind);
+    if (p->_flags & AMQP_BASIC_TYPE_FLAG)
+        in->type = str_of(p->type);
+    in->hdr_event_type = header_str(p, "event_type", NULL);
+    in->routing_key = str_of(m->routing_key);
+    in->hdr_subscription_id = header_str(p, "subscription_id", NULL);
+    in->has_seq = header_int(p, "x-idem-seq", &in->seq);
+    if (p->_flags & AMQP_BASIC_TIMESTAMP_FLAG) {
+        in->has_timestamp = true;
+        in->timestamp = p->timestamp;
+    }
+    in->body = m->oversized ? NULL : (m->body.bytes ? (const char *)m->body.bytes : "");
+    in->body_len = m->oversized ? 0 : m->body.len;
+    in->body_size = m->body_size;
+}
+
+const char *idemp_msg_header(const idemp_msg_t *m, const char *name, size_t *len)
+{
+    idemp_str_t s = header_str(&m->props, name, NULL);
+    if (len != NULL)
+        *len = s.len;
+    return s.ptr;
+}
+
+char *idemp_msg_headers_json(const idemp_msg_t *m)
+{
+    json_t *o = json_object();
+    if (o == NULL)
+        return NULL;
+    const amqp_basic_properties_t *p = &m->props;
+    if (p->_flags & AMQP_BASIC_HEADERS_FLAG) {
+        for (int i = 0; i < p->headers.num_entries; i++) {
+            const amqp_table_entry_t *e = &p->headers.entries[i];
+            if (!is_string(&e->value))
+                continue;
+            json_t *v = json_stringn(e->value.value.bytes.bytes, e->value.value.bytes.len);
+            if (v == NULL)
+                continue; /* not UTF-8: not representable as a JSON string */
+            char key[256];
+            snprintf(key, sizeof key, "%.*s", (int)e->key.len, (const char *)e->key.bytes);
+            if (strlen(key) != e->key.len || json_object_set_new(o, key, v) != 0)
+                json_decref(v);
+        }
+    }
+    char *s = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    return s;
+}
+
+/* The next frame of the message being read: a content header or body frame on our channel.
+ * A close is answered; anything else breaks the protocol. */
+static int content_frame(idemp_amqp_t *a, int want, amqp_frame_t *f, idem_error_t *err)
+{
+    int rc = idemp_amqp_wait_frame(a, f, FRAME_WAIT_MS, err);
+    if (rc == IDEM_ERR_TIMEOUT)
+        return idemp_amqp_lost(a, AMQP_STATUS_TIMEOUT, "reading a message", err);
+    if (rc != IDEM_OK)
+        return rc;
+    if (f->frame_type == want && f->channel == IDEMP_CHANNEL)
+        return IDEM_OK;
+    if (f->frame_type == AMQP_FRAME_METHOD &&
+        (f->payload.method.id == AMQP_CHANNEL_CLOSE_METHOD ||
+         f->payload.method.id == AMQP_CONNECTION_CLOSE_METHOD))
+        return idemp_amqp_on_close(a, f, err);
+    return idemp_amqp_lost(a, AMQP_STATUS_UNEXPECTED_STATE, "reading a message", err);
+}
+
+/* Reads and drops what is left of an unread body. */
+static int skip_body(idemp_amqp_t *a, idem_error_t *err)
+{
+    while (a->body_left > 0) {
+        amqp_frame_t f;
+        int rc = content_frame(a, AMQP_FRAME_BODY, &f, err);
+        if (rc != IDEM_OK)
+            return rc;
+        size_t len = f.payload.body_fragment.len;
+        a->body_left = len >= a->body_left ? 0 : a->body_left - len;
+        amqp_maybe_release_buffers_on_channel(a->conn, IDEMP_CHANNEL);
+    }
+    return IDEM_OK;
+}
+
+static int read_delivery(idemp_amqp_t *a, const amqp_frame_t *method, int64_t max_body,
+                         idemp_msg_t **out, idem_error_t *err)
+{
+    const amqp_basic_deliver_t *d = method->payload.method.decoded;
+    idemp_msg_t *m = calloc(1, sizeof *m);
+    if (m == NULL)
+        return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory reading a delivery");
+    init_amqp_pool(&m->pool, 4096);
+    m->tag = d->delivery_tag;
+    m->redelivered = d->redelivered;
+    int rc = dup_bytes(&m->pool, d->exchange, &m->exchange);
+    if (rc == AMQP_STATUS_OK)
+        rc = dup_bytes(&m->pool, d->routing_key, &m->routing_key);
+    amqp_frame_t f;
+    int st = rc == AMQP_STATUS_OK ? content_frame(a, AMQP_FRAME_HEADER, &f, err) : IDEM_OK;
+    if (rc == AMQP_STATUS_OK && st == IDEM_OK)
+        rc = clone_props(f.payload.properties.decoded, &m->props, &m->pool);
+    if (rc != AMQP_STATUS_OK) {
+        idemp_msg_free(m);
+        /* the rest of the message is still on the wire: only a new connection gets past it */
+        a->connected = false;
+        return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory reading a delivery");
+    }
+    if (st != IDEM_OK) {
+        idemp_msg_free(m);
+        return st;
+    }
+    m->body_size = f.payload.properties.body_size;
+    if (m->body_size > (uint64_t)max_body) {
+        m->oversized = true;
+        a->body_left = m->body_size;
+        *out = m;
+        return IDEM_OK;
+    }
+    if (m->body_size > 0) {
+        m->body = amqp_bytes_malloc((size_t)m->body_size);
+        if (m->body.bytes == NULL) {
+            a->body_left = m->body_size;
+            idemp_msg_free(m);
+            a->connected = false;
+            return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory reading a delivery");
+        }
+    }
+    size_t got = 0;
+    while (got < m->body.len) {
+        st = content_frame(a, AMQP_FRAME_BODY, &f, err);
+        if (st == IDEM_OK && got + f.payload.body_fragment.len > m->body.len)
+            st = idemp_amqp_lost(a, AMQP_STATUS_BAD_AMQP_DATA, "reading a message", err);
+        if (st != IDEM_OK) {
+            idemp_msg_free(m);
+            return st;
+        }
+        memcpy((char *)m->body.bytes + got, f.payload.body_fragment.bytes,
+               f.payload.body_fragment.len);
+        got += f.payload.body_fragment.len;
+    }
+    *out = m;
+    return IDEM_OK;
+}
+
+int idemp_amqp_next(idemp_amqp_t *a, int64_t max_body, int64_t timeout_ms, idemp_msg_t **out,
+                    idem_error_t *err)
+{
+    *out = NULL;
+    if (!a->connected)
+        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s", a->where);
+    int rc = skip_body(a, err);
+    if (rc != IDEM_OK)
+        return rc;
+    amqp_maybe_release_buffers(a->conn);
+    int64_t deadline = idemp_now_ms() + (timeout_ms > 0 ? timeout_ms : 0);
+    for (;;) {
+        amqp_frame_t f;
+        rc = idemp_amqp_wait_frame(a, &f, deadline - idemp_now_ms(), err);
+        if (rc != IDEM_OK)
+            return rc;
+        if (f.frame_type != AMQP_FRAME_METHOD)
+            return idemp_amqp_lost(a, AMQP_STATUS_UNEXPECTED_STATE, "basic.deliver", err);
+        switch (f.payload.method.id) {
+        case AMQP_BASIC_DELIVER_METHOD:
+            return read_delivery(a, &f, max_body, out, err);
+        case AMQP_CHANNEL_CLOSE_METHOD:
+        case AMQP_CONNECTION_CLOSE_METHOD:
+            return idemp_amqp_on_close(a, &f, err);
+        case AMQP_BASIC_CANCEL_METHOD:
+            a->connected = false;
+            return idem_error_set(err, IDEM_ERR_AMQP,
+                                  "the broker cancelled the consumer (queue deleted?)");
+        case AMQP_CONNECTION_BLOCKED_METHOD: {
+            const char *kv[] = {"server", a->where, NULL};
+            idem_log(IDEM_LOG_WARN, a->component, kv,
+                     "RabbitMQ blocked this connection (a resource alarm)");
+            break;
+        }
+        default:
+            break; /* a stray confirm or an unblock: nothing to do */
+        }
+    }
+}
+
+/* ---- the dead-letter copy ------------------------------------------------------------------ */
+
+static bool key_is(const amqp_table_entry_t *e, const char *name)
+{
+    size_t n = strlen(name);
+    return e->key.len == n && memcmp(e->key.bytes, name, n) == 0;
+}
+
+static amqp_table_entry_t str_entry(const char *key, amqp_bytes_t val)
+{
+    amqp_table_entry_t e;
+    e.key = amqp_cstring_bytes(key);
+    e.value.kind = AMQP_FIELD_KIND_UTF8;
+    e.value.value.bytes = val;
+    return e;
+}
+
+/* Size the properties take encoded, or -1 when they do not fit one frame. */
+static int encoded_size(idemp_amqp_t *a, amqp_basic_properties_t *p)
+{
+    if (a->scratch == NULL && (a->scratch = malloc(IDEMP_FRAME_MAX)) == NULL)
+        return -1;
+    int fmax = a->conn != NULL ? amqp_get_frame_max(a->conn) : IDEMP_FRAME_MAX;
+    if (fmax <= 0 || fmax > IDEMP_FRAME_MAX)
+        fmax = IDEMP_FRAME_MAX;
+    amqp_bytes_t buf = {(size_t)fmax - HEADER_FRAME_OVERHEAD, a->scratch};
+    int n = amqp_encode_properties(AMQP_BASIC_CLASS, p, buf);
+    return n < 0 ? -1 : n;
+}
+
+/* Size of one header entry encoded, for choosing what to drop; a huge value when unknown. */
+static size_t entry_size(idemp_amqp_t *a, amqp_table_entry_t *e)
+{
+    amqp_table_t t = {1, e};
+    amqp_basic_properties_t p;
+    memset(&p, 0, sizeof p);
+    p._flags = AMQP_BASIC_HEADERS_FLAG;
+    p.headers = t;
+    int n = encoded_size(a, &p);
+    return n < 0 ? (size_t)IDEMP_FRAME_MAX : (size_t)n;
+}
+
+/* Builds the dead-letter properties of m into p, with entries (capacity n + 4) as its headers. */
+static int dl_props(idemp_amqp_t *out, idemp_msg_t *m, const char *reason,
+                    amqp_basic_properties_t *p, amqp_table_entry_t *entries, char *dropped,
+                    size_t dropped_sz)
+{
+    *p = m->props;
+    int old = (p->_flags & AMQP_BASIC_HEADERS_FLAG) ? p->headers.num_entries : 0;
+    bool had_exp = (p->_flags & AMQP_BASIC_EXPIRATION_FLAG) != 0;
+    bool had_uid = (p->_flags & AMQP_BASIC_USER_ID_FLAG) != 0;
+    int nkeep = 0;
+    for (int i = 0; i < old; i++) {
+        amqp_table_entry_t *e = &m->props.headers.entries[i];
+        /* a message dead-lettered again carries only its latest reason */
+        if (key_is(e, "x-idem-error") || key_is(e, "x-idem-dropped-headers") ||
+            (had_exp && key_is(e, "x-idem-original-expiration")) ||
+            (had_uid && key_is(e, "x-idem-original-user-id")))
+            continue;
+        entries[nkeep++] = *e;
+    }
+    int n = nkeep;
+    if (had_exp)
+        entries[n++] = str_entry("x-idem-original-expiration", m->props.expiration);
+    if (had_uid)
+        entries[n++] = str_entry("x-idem-original-user-id", m->props.user_id);
+    /* a copy must outlive restarts and expiry, and another user must be able to publish it */
+    p->_flags &= ~(AMQP_BASIC_EXPIRATION_FLAG | AMQP_BASIC_USER_ID_FLAG);
+    p->_flags |= AMQP_BASIC_DELIVERY_MODE_FLAG | AMQP_BASIC_HEADERS_FLAG;
+    p->delivery_mode = 2;
+    int err_at = n;
+    entries[n++] = str_entry("x-idem-error", amqp_cstring_bytes(reason));
+    p->headers.entries = entries;
+    p->headers.num_entries = n;
+    if (encoded_size(out, p) >= 0)
+        return IDEM_OK;
+
+    /* too big for one frame: a shorter reason, then drop the largest original headers */
+    amqp_bytes_t r = amqp_cstring_bytes(reason);
+    if (r.len > 200)
+        r.len = 200;
+    entries[err_at].value.value.bytes = r;
+    size_t dl = 0;
+    dropped[0] = '\0';
+    while (encoded_size(out, p) < 0) {
+        int big = -1;
+        size_t bigsz = 0;
+        for (int i = 0; i < nkeep; i++) {
+            size_t s = entry_size(out, &entries[i]);
+            if (big < 0 || s > bigsz) {
+                big = i;
+                bigsz = s;
+            }
+        }
+        if (big < 0)
+            return IDEM_ERR_UNENCODABLE; /* only our own headers left, and they do not fit */
+        int w = snprintf(dropped + dl, dropped_sz - dl, "%s%.*s", dl ? "," : "",
+                         (int)entries[big].key.len, (const char *)entries[big].key.bytes);
+        if (w > 0 && (size_t)w < dropped_sz - dl)
+            dl += (size_t)w;
+        memmove(&entries[big], &entries[big + 1], (size_t)(n - big - 1) * sizeof *entries);
+        nkeep--;
+        n--;
+        err_at--;
+        if (n > 0 && key_is(&entries[n - 1], "x-idem-dropped-headers"))
+            entries[n - 1].value.value.bytes = amqp_cstring_bytes(dropped);
+        else
+            entries[n++] = str_entry("x-idem-dropped-headers", amqp_cstring_bytes(dropped));
+        p->headers.num_entries = n;
+    }
+    return IDEM_OK;
+}
+
+/* Sends the content of an oversized message: the header frame, then its body frames as they are
+ * read from in, one at a time. */
+static int stream_body(idemp_amqp_t *out, idemp_amqp_t *in, idemp_msg_t *m,
+                       amqp_basic_properties_t *p, idem_error_t *err)
+{
+    amqp_frame_t h;
+    memset(&h, 0, sizeof h);
+    h.frame_type = AMQP_FRAME_HEADER;
+    h.channel = IDEMP_CHANNEL;
+    h.payload.properties.class_id = AMQP_BASIC_CLASS;
+    h.payload.properties.body_size = m->body_size;
+    h.payload.properties.decoded = p;
+    int st = amqp_send_frame(out->conn, &h);
+    if (st != AMQP_STATUS_OK)
+        return idemp_amqp_lost(out, st, "dead-letter header", err);
+    size_t chunk = (size_t)amqp_get_frame_max(out->conn) - HEADER_FRAME_OVERHEAD;
+    while (in->body_left > 0) {
+        amqp_frame_t f;
+        int rc = content_frame(in, AMQP_FRAME_BODY, &f, err);
+        if (rc != IDEM_OK) {
+            out->connected = false; /* half a message was sent: this link is unusable */
+            return rc;
+        }
+        size_t len = f.payload.body_fragment.len;
+        in->body_left = len >= in->body_left ? 0 : in->body_left - len;
+        for (size_t off = 0; off < len; off += chunk) {
+            amqp_frame_t b;
+            memset(&b, 0, sizeof b);
+            b.frame_type = AMQP_FRAME_BODY;
+            b.channel = IDEMP_CHANNEL;
+            b.payload.body_fragment.bytes = (char *)f.payload.body_fragment.bytes + off;
+            b.payload.body_fragment.len = len - off < chunk ? len - off : chunk;
+            st = amqp_send_frame(out->conn, &b);
+            if (st != AMQP_STATUS_OK)
+                return idemp_amqp_lost(out, st, "dead-letter body", err);
+        }
+        amqp_maybe_release_buffers_on_channel(in->conn, IDEMP_CHANNEL);
+    }
+    return IDEM_OK;
+}
+
+int idemp_amqp_dead_letter(idemp_amqp_t *out, idemp_amqp_t *in, idemp_msg_t *m,
+                           const char *exchange, const char *routing_key, const char *reason,
+                           int64_t timeout_ms, idem_error_t *err)
+{
+    if (!out->connected)
+        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s",
+                              out->where);
+    bool streaming = m->oversized && m->body.bytes == NULL && m->body_size > 0;
+    if (streaming && (in == NULL || !in->connected || in->body_left != m->body_size))
+        return idem_error_set(err, IDEM_ERR_AMQP_LOST,
+                              "the body of an oversized message is no longer on the wire");
+    int old = (m->props._flags & AMQP_BASIC_HEADERS_FLAG) ? m->props.headers.num_entries : 0;
+    amqp_table_entry_t *entries = calloc((size_t)old + 4, sizeof *entries);
+    char dropped[1024];
+    if (entries == NULL)
+        return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+    amqp_basic_properties_t p;
+    int rc = dl_props(out, m, reason, &p, entries, dropped, sizeof dropped);
+    if (rc != IDEM_OK) {
+        free(entries);
+        return idem_error_set(err, rc, "the dead-letter copy cannot be encoded");
+    }
+    int st;
+    if (!streaming) {
+        st = amqp_basic_publish(out->conn, IDEMP_CHANNEL, amqp_cstring_bytes(exchange),
+                                amqp_cstring_bytes(routing_key), 1, 0, &p, m->body);
+        rc = st == AMQP_STATUS_OK ? IDEM_OK : idemp_amqp_lost(out, st, "dead-letter publish", err);
+    } else {
+        amqp_basic_publish_t pm;
+        memset(&pm, 0, sizeof pm);
+        pm.exchange = amqp_cstring_bytes(exchange);
+        pm.routing_key = amqp_cstring_bytes(routing_key);
+        pm.mandatory = 1;
+        st = amqp_send_method(out->conn, IDEMP_CHANNEL, AMQP_BASIC_PUBLISH_METHOD, &pm);
+        rc = st == AMQP_STATUS_OK ? stream_body(out, in, m, &p, err)
+                                  : idemp_amqp_lost(out, st, "dead-letter publish", err);
+    }
+    free(entries);
+    if (rc != IDEM_OK)
+        return rc;
+    uint64_t tag;
+    idemp_amqp_published(out, &tag);
+    return idemp_amqp_confirm_one(out, tag, timeout_ms, err);
+}
+
+/* ---- event publishes (the relay) ------------------------------------------------------------ */
+
+int idemp_amqp_publish_event(idemp_amqp_t *a, const char *exchange, const idemp_event_msg_t *e,
+                             uint64_t *tag, idem_error_t *err)
+{
+    if (!a->connected)
+        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s", a->where);
+    size_t tlen = strlen(e->event_type);
+    if (tlen == 0 || tlen > 255)
+        return idem_error_set(err, IDEM_ERR_UNENCODABLE,
+                              "event type is %zu bytes; an AMQP routing key holds 1-255", tlen);
+    json_t *extra = NULL;
+    if (e->headers_json != NULL && e->headers_json[0] != '\0') {
+        extra = json_loads(e->headers_json, 0, NULL);
+        if (!json_is_object(extra)) {
+            json_decref(extra);
+            return idem_error_set(err, IDEM_ERR_UNENCODABLE, "headers are not a JSON object");
+        }
+    }
+    size_t nextra = extra ? json_object_size(extra) : 0;
+    amqp_table_entry_t fixed[4];
+    amqp_table_entry_t *h = nextra ? calloc(4 + nextra, sizeof *h) : fixed;
+    if (h == NULL) {
+        json_decref(extra);
+        return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+    }
+    int n = 0;
+    h[n++] = str_entry("event_id", amqp_cstring_bytes(e->event_id));
+    h[n++] = str_entry("subscription_id", amqp_cstring_bytes(e->subscription_id));
+    h[n++] = str_entry("event_type", amqp_cstring_bytes(e->event_type));
+    h[n].key = amqp_cstring_bytes("x-idem-seq");
+    h[n].value.kind = AMQP_FIELD_KIND_I64;
+    h[n++].value.value.i64 = e->seq;
+    int rc = IDEM_OK;
+    const char *k;
+    json_t *v;
+    json_object_foreach(extra, k, v)
+    {
+        size_t klen = strlen(k);
+        if (!json_is_string(v)) {
+            rc = idem_error_set(err, IDEM_ERR_UNENCODABLE, "header '%.100s' is not a string", k);
+            break;
+        }
+        if (klen == 0 || klen > 255) {
+            rc = idem_error_set(err, IDEM_ERR_UNENCODABLE, "a header name is %zu bytes (1-255)",
+                                klen);
+            break;
+        }
+        if (strcmp(k, "event_id") == 0 || strcmp(k, "subscription_id") == 0 ||
+            strcmp(k, "event_type") == 0 || strncmp(k, "x-idem-", 7) == 0)
+            continue; /* ours win */
+        h[n].key = amqp_cstring_bytes(k);
+        h[n].value.kind = AMQP_FIELD_KIND_UTF8;
+        h[n].value.value.bytes.bytes = (void *)json_string_value(v);
+        h[n].value.value.bytes.len = json_string_length(v);
+        n++;
+    }
+    amqp_basic_properties_t props;
+    memset(&props, 0, sizeof props);
+    props._flags = AMQP_BASIC_CONTENT_TYPE_FLAG | AMQP_BASIC_DELIVERY_MODE_FLAG |
+                   AMQP_BASIC_MESSAGE_ID_FLAG | AMQP_BASIC_TYPE_FLAG | AMQP_BASIC_TIMESTAMP_FLAG |
+                   AMQP_BASIC_HEADERS_FLAG;
+    props.content_type = amqp_cstring_bytes("application/json");
+    props.delivery_mode = 2;
+    props.message_id = amqp_cstring_bytes(e->event_id);
+    props.type = amqp_cstring_bytes(e->event_type);
+    props.timestamp = e->timestamp_s < 0 ? 0 : (uint64_t)e->timestamp_s;
+    props.headers = (amqp_table_t){n, h};
+    if (rc == IDEM_OK && encoded_size(a, &props) < 0)
+        rc = idem_error_set(err, IDEM_ERR_UNENCODABLE,
+                            "the message properties and headers do not fit one AMQP frame");
+    if (rc == IDEM_OK) {
+        amqp_bytes_t body = {e->body_len, (void *)e->body};
+        int st = amqp_basic_publish(a->conn, IDEMP_CHANNEL, amqp_cstring_bytes(exchange),
+                                    amqp_cstring_bytes(e->event_type), 1, 0, &props, body);
+        if (st != AMQP_STATUS_OK)
+            rc = idemp_amqp_lost(a, st, "basic.publish", err);
+        else
+            idemp_amqp_published(a, tag);
+    }
+    if (h != fixed)
+        free(h);
+    json_decref(extra);
+    return rc;
+}
