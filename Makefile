@@ -6,6 +6,10 @@ BUILD ?= build
 CC ?= cc
 SAN ?=
 
+# The version lives in include/idem/idem.h only; the library's file names and idem.pc follow it.
+VERSION := $(shell sed -n 's/.*define IDEM_VERSION "\(.*\)".*/\1/p' include/idem/idem.h)
+SOMAJOR := $(firstword $(subst ., ,$(VERSION)))
+
 PKGS := libpq librabbitmq jansson libmicrohttpd
 PKG_CFLAGS = $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 PKG_LIBS = $(shell pkg-config --libs $(PKGS) 2>/dev/null)
@@ -77,7 +81,7 @@ UNIT_BINS := $(UNIT_TESTS:%=$(BUILD)/%)
 
 .PHONY: all test check unit integration sanitize bench demo install format format-check clean deps
 
-all: $(BUILD)/idem $(BUILD)/libidem.a $(BUILD)/libidem.so
+all: $(BUILD)/idem $(BUILD)/libidem.a $(BUILD)/libidem.so $(BUILD)/libidem.so.$(SOMAJOR)
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -87,8 +91,13 @@ $(BUILD)/libidem.a: $(LIB_OBJS)
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
 
-$(BUILD)/libidem.so: $(LIB_OBJS)
-	$(CC) -shared -o $@ $^ $(LDSAN) $(LDLIBS_ALL)
+# SONAME libidem.so.$(SOMAJOR); src/libidem.map exports the idem_* symbols and nothing else.
+$(BUILD)/libidem.so.$(VERSION): $(LIB_OBJS) src/libidem.map
+	$(CC) -shared -Wl,-soname,libidem.so.$(SOMAJOR) -Wl,--version-script=src/libidem.map \
+		-o $@ $(LIB_OBJS) $(LDSAN) $(LDLIBS_ALL)
+
+$(BUILD)/libidem.so.$(SOMAJOR) $(BUILD)/libidem.so: $(BUILD)/libidem.so.$(VERSION)
+	ln -sf libidem.so.$(VERSION) $@
 
 $(BUILD)/idem: $(CLI_OBJS) $(HANDLER_OBJS) $(BUILD)/libidem.a
 	$(CC) -o $@ $(CLI_OBJS) $(HANDLER_OBJS) $(BUILD)/libidem.a $(LDSAN) $(LDLIBS_ALL)
@@ -140,10 +149,13 @@ install: all
 		$(DESTDIR)$(PREFIX)/include/idem $(DESTDIR)$(PREFIX)/share/idem/sql
 	install -m755 $(BUILD)/idem $(DESTDIR)$(PREFIX)/bin/idem
 	install -m644 $(BUILD)/libidem.a $(DESTDIR)$(PREFIX)/lib/libidem.a
-	install -m755 $(BUILD)/libidem.so $(DESTDIR)$(PREFIX)/lib/libidem.so
+	install -m755 $(BUILD)/libidem.so.$(VERSION) $(DESTDIR)$(PREFIX)/lib/libidem.so.$(VERSION)
+	ln -sf libidem.so.$(VERSION) $(DESTDIR)$(PREFIX)/lib/libidem.so.$(SOMAJOR)
+	ln -sf libidem.so.$(VERSION) $(DESTDIR)$(PREFIX)/lib/libidem.so
 	install -m644 include/idem/*.h $(DESTDIR)$(PREFIX)/include/idem/
 	install -m644 sql/*.sql $(DESTDIR)$(PREFIX)/share/idem/sql/
-	sed -e 's|@PREFIX@|$(PREFIX)|g' idem.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/idem.pc
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' idem.pc.in \
+		> $(DESTDIR)$(PREFIX)/lib/pkgconfig/idem.pc
 
 FORMAT_FILES = $(wildcard src/*.c src/*.h src/cli/*.c src/cli/*.h include/idem/*.h \
 	handlers/*.c handlers/*.h tests/unit/*.c bench/*.c bench/*.h)
