@@ -157,6 +157,25 @@ install: all
 	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' idem.pc.in \
 		> $(DESTDIR)$(PREFIX)/lib/pkgconfig/idem.pc
 
+# The deployment kit (deploy/): systemd units and a sysusers.d entry, example environment files,
+# the man page, the Grafana dashboard.
+KIT_DIR = $(DESTDIR)$(PREFIX)/share/idem
+KIT_SED = sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@BINDIR@|$(PREFIX)/bin|g' \
+	-e 's|@DATADIR@|$(PREFIX)/share/idem|g' -e 's|@VERSION@|$(VERSION)|g'
+
+.PHONY: install-kit
+install: install-kit
+install-kit:
+	install -d $(KIT_DIR)/systemd $(KIT_DIR)/env $(DESTDIR)$(PREFIX)/share/man/man1
+	for f in idem-relay.service idem-consume@.service; do \
+		$(KIT_SED) deploy/systemd/$$f.in > $(KIT_DIR)/systemd/$$f && \
+		chmod 644 $(KIT_DIR)/systemd/$$f || exit 1; done
+	install -m644 deploy/systemd/idem.sysusers.conf $(KIT_DIR)/systemd/
+	install -m644 deploy/env/*.env.example $(KIT_DIR)/env/
+	$(KIT_SED) deploy/idem.1.in > $(KIT_DIR)/idem.1 && chmod 644 $(KIT_DIR)/idem.1
+	install -m644 $(KIT_DIR)/idem.1 $(DESTDIR)$(PREFIX)/share/man/man1/idem.1
+	install -m644 deploy/grafana/grafana-idem.json $(KIT_DIR)/
+
 FORMAT_FILES = $(wildcard src/*.c src/*.h src/cli/*.c src/cli/*.h include/idem/*.h \
 	handlers/*.c handlers/*.h tests/unit/*.c bench/*.c bench/*.h)
 
