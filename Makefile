@@ -178,6 +178,7 @@ install-kit:
 
 FORMAT_FILES = $(wildcard src/*.c src/*.h src/cli/*.c src/cli/*.h include/idem/*.h \
 	handlers/*.c handlers/*.h tests/unit/*.c bench/*.c bench/*.h)
+FORMAT_FILES += $(wildcard examples/*/*.c)
 
 format:
 	clang-format -i $(FORMAT_FILES)
