@@ -6,6 +6,10 @@ BUILD ?= build
 CC ?= cc
 SAN ?=
 
+# The version lives in include/idem/idem.h only; the library's file names and idem.pc follow it.
+VERSION := $(shell sed -n 's/.*define IDEM_VERSION "\(.*\)".*/\1/p' include/idem/idem.h)
+SOMAJOR := $(firstword $(subst ., ,$(VERSION)))
+
 PKGS := libpq librabbitmq jansson libmicrohttpd openssl
 PKG_CFLAGS = $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 PKG_LIBS = $(shell pkg-config --libs $(PKGS) 2>/dev/null)
@@ -82,7 +86,7 @@ UNIT_BINS := $(UNIT_TESTS:%=$(BUILD)/%)
 
 .PHONY: all test check unit integration sanitize bench demo install format format-check clean deps
 
-all: $(BUILD)/idem $(BUILD)/libidem.a $(BUILD)/libidem.so
+all: $(BUILD)/idem $(BUILD)/libidem.a $(BUILD)/libidem.so $(BUILD)/libidem.so.$(SOMAJOR)
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -92,8 +96,13 @@ $(BUILD)/libidem.a: $(LIB_OBJS)
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
 
-$(BUILD)/libidem.so: $(LIB_OBJS)
-	$(CC) -shared -o $@ $^ $(LDSAN) $(LDLIBS_ALL)
+# SONAME libidem.so.$(SOMAJOR); src/libidem.map exports the idem_* symbols and nothing else.
+$(BUILD)/libidem.so.$(VERSION): $(LIB_OBJS) src/libidem.map
+	$(CC) -shared -Wl,-soname,libidem.so.$(SOMAJOR) -Wl,--version-script=src/libidem.map \
+		-o $@ $(LIB_OBJS) $(LDSAN) $(LDLIBS_ALL)
+
+$(BUILD)/libidem.so.$(SOMAJOR) $(BUILD)/libidem.so: $(BUILD)/libidem.so.$(VERSION)
+	ln -sf libidem.so.$(VERSION) $@
 
 $(BUILD)/idem: $(CLI_OBJS) $(HANDLER_OBJS) $(BUILD)/libidem.a
 	$(CC) -o $@ $(CLI_OBJS) $(HANDLER_OBJS) $(BUILD)/libidem.a $(LDSAN) $(LDLIBS_ALL)
@@ -145,13 +154,36 @@ install: all
 		$(DESTDIR)$(PREFIX)/include/idem $(DESTDIR)$(PREFIX)/share/idem/sql
 	install -m755 $(BUILD)/idem $(DESTDIR)$(PREFIX)/bin/idem
 	install -m644 $(BUILD)/libidem.a $(DESTDIR)$(PREFIX)/lib/libidem.a
-	install -m755 $(BUILD)/libidem.so $(DESTDIR)$(PREFIX)/lib/libidem.so
+	install -m755 $(BUILD)/libidem.so.$(VERSION) $(DESTDIR)$(PREFIX)/lib/libidem.so.$(VERSION)
+	ln -sf libidem.so.$(VERSION) $(DESTDIR)$(PREFIX)/lib/libidem.so.$(SOMAJOR)
+	ln -sf libidem.so.$(VERSION) $(DESTDIR)$(PREFIX)/lib/libidem.so
 	install -m644 include/idem/*.h $(DESTDIR)$(PREFIX)/include/idem/
 	install -m644 sql/*.sql $(DESTDIR)$(PREFIX)/share/idem/sql/
-	sed -e 's|@PREFIX@|$(PREFIX)|g' idem.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/idem.pc
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' idem.pc.in \
+		> $(DESTDIR)$(PREFIX)/lib/pkgconfig/idem.pc
+
+# The deployment kit (deploy/): systemd units and a sysusers.d entry, example environment files,
+# the man page, the Grafana dashboard.
+KIT_DIR = $(DESTDIR)$(PREFIX)/share/idem
+KIT_SED = sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@BINDIR@|$(PREFIX)/bin|g' \
+	-e 's|@DATADIR@|$(PREFIX)/share/idem|g' -e 's|@VERSION@|$(VERSION)|g'
+
+.PHONY: install-kit
+install: install-kit
+install-kit:
+	install -d $(KIT_DIR)/systemd $(KIT_DIR)/env $(DESTDIR)$(PREFIX)/share/man/man1
+	for f in idem-relay.service idem-consume@.service; do \
+		$(KIT_SED) deploy/systemd/$$f.in > $(KIT_DIR)/systemd/$$f && \
+		chmod 644 $(KIT_DIR)/systemd/$$f || exit 1; done
+	install -m644 deploy/systemd/idem.sysusers.conf $(KIT_DIR)/systemd/
+	install -m644 deploy/env/*.env.example $(KIT_DIR)/env/
+	$(KIT_SED) deploy/idem.1.in > $(KIT_DIR)/idem.1 && chmod 644 $(KIT_DIR)/idem.1
+	install -m644 $(KIT_DIR)/idem.1 $(DESTDIR)$(PREFIX)/share/man/man1/idem.1
+	install -m644 deploy/grafana/grafana-idem.json $(KIT_DIR)/
 
 FORMAT_FILES = $(wildcard src/*.c src/*.h src/cli/*.c src/cli/*.h include/idem/*.h \
 	handlers/*.c handlers/*.h tests/unit/*.c bench/*.c bench/*.h)
+FORMAT_FILES += $(wildcard examples/*/*.c)
 
 format:
 	clang-format -i $(FORMAT_FILES)

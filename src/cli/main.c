@@ -43,6 +43,7 @@ static void usage(FILE *f)
                "billing.events)\n"
                "  --log-level LEVEL      debug|info|warn|error (default info)\n"
                "  --log-format FORMAT    text|json (default text)\n"
+               "\n  --version              print 'idem VERSION' and exit\n"
                "\n'idem COMMAND --help' lists every flag of a command with its default.\n"
                "Exit status: 0 success, 1 runtime failure, 2 usage error; status also 1 = "
                "threshold exceeded, 3 = database unreachable.\n");
@@ -64,6 +65,10 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
             usage(stdout);
+            return CLI_EXIT_OK;
+        }
+        if (strcmp(argv[i], "--version") == 0) {
+            printf("idem %s\n", IDEM_VERSION);
             return CLI_EXIT_OK;
         }
         if (strncmp(argv[i], "--", 2) != 0) {
