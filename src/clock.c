@@ -20,6 +20,13 @@ int64_t idemp_wall_ms(void)
     return clock_ms(CLOCK_REALTIME);
 }
 
+int64_t idemp_wall_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
 void idemp_sleep_ms(int64_t ms, volatile sig_atomic_t *stop)
 {
     int64_t end = idemp_now_ms() + ms;

@@ -265,6 +265,9 @@ static run_result run(idem_consumer_t *c, delivery_t **ds, size_t n, bool single
                     counts->applied++;
                 else
                     counts->duplicates++;
+                if (a.claimed[i] && d->ev.has_timestamp)
+                    idemp_metrics_lag(c->metrics,
+                                      (double)idemp_wall_us() / 1e6 - (double)d->ev.timestamp_s);
             }
         }
         resumed(c);

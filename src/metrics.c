@@ -16,6 +16,8 @@
 
 #include <microhttpd.h>
 
+#include <idem/idem.h>
+
 #include "metrics.h"
 
 /* Upper bounds of idem_batch_duration_seconds, 1 ms to 10 s (+Inf is implicit). */
@@ -23,6 +25,11 @@ static const double bucket_le[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                                    0.25,  0.5,    1.0,   2.5,  5.0,   10.0};
 #define NBUCKETS (sizeof bucket_le / sizeof bucket_le[0])
 #define PAUSED_MAX 64 /* distinct SQLSTATEs; later ones count under the last slot's "other" */
+
+/* Upper bounds of idem_consumer_lag_seconds, 0.5 ms to 5 min. */
+static const double lag_le[] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,  0.25,
+                                0.5,    1.0,   2.5,    5.0,   10.0, 30.0,  60.0, 300.0};
+#define NLAG (sizeof lag_le / sizeof lag_le[0])
 
 struct idemp_metrics {
     idemp_role role;
@@ -37,6 +44,8 @@ struct idemp_metrics {
     char paused_state[PAUSED_MAX][6];
     _Atomic uint64_t paused[PAUSED_MAX];
     _Atomic size_t npaused;
+    _Atomic uint64_t lag_buckets[NLAG + 1];
+    _Atomic uint64_t lag_sum_ns, lag_count;
     struct MHD_Daemon *daemon;
 };
 
@@ -60,6 +69,10 @@ idemp_metrics_t *idemp_metrics_new(idemp_role role)
     for (size_t i = 0; i < PAUSED_MAX; i++)
         atomic_init(&m->paused[i], 0);
     atomic_init(&m->npaused, 0);
+    for (size_t i = 0; i <= NLAG; i++)
+        atomic_init(&m->lag_buckets[i], 0);
+    atomic_init(&m->lag_sum_ns, 0);
+    atomic_init(&m->lag_count, 0);
     return m;
 }
 
@@ -133,6 +146,19 @@ void idemp_metrics_batch_duration(idemp_metrics_t *m, double seconds)
     atomic_fetch_add_explicit(&m->duration_count, 1, memory_order_relaxed);
 }
 
+void idemp_metrics_lag(idemp_metrics_t *m, double seconds)
+{
+    if (m == NULL || !(seconds >= 0.0) || isinf(seconds))
+        return;
+    size_t b = 0;
+    while (b < NLAG && seconds > lag_le[b])
+        b++;
+    atomic_fetch_add_explicit(&m->lag_buckets[b], 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&m->lag_sum_ns, (uint64_t)llround(seconds * 1e9),
+                              memory_order_relaxed);
+    atomic_fetch_add_explicit(&m->lag_count, 1, memory_order_relaxed);
+}
+
 void idemp_metrics_oldest_pending(idemp_metrics_t *m, double seconds)
 {
     if (m == NULL)
@@ -162,8 +188,34 @@ static void counter(FILE *f, const char *name, const char *help, uint64_t v)
             (unsigned long long)v);
 }
 
+static void histogram(FILE *f, const char *name, const char *help, const double *le, size_t n,
+                      _Atomic uint64_t *buckets, _Atomic uint64_t *sum_ns,
+                      _Atomic uint64_t *count_a)
+{
+    /* Read the count first: a concurrent observation may then only make buckets run ahead of
+     * _count by a little, never behind. */
+    uint64_t count = ld(count_a);
+    uint64_t sum = ld(sum_ns);
+    fprintf(f, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    uint64_t cum = 0;
+    for (size_t b = 0; b < n; b++) {
+        cum += ld(&buckets[b]);
+        fprintf(f, "%s_bucket{le=\"%g\"} %llu\n", name, le[b], (unsigned long long)cum);
+    }
+    cum += ld(&buckets[n]);
+    if (cum < count)
+        cum = count;
+    fprintf(f, "%s_bucket{le=\"+Inf\"} %llu\n", name, (unsigned long long)cum);
+    fprintf(f, "%s_sum %.9f\n", name, (double)sum / 1e9);
+    fprintf(f, "%s_count %llu\n", name, (unsigned long long)cum);
+}
+
 static void render(idemp_metrics_t *m, FILE *f)
 {
+    fprintf(f,
+            "# HELP idem_build_info The idem version serving these metrics.\n"
+            "# TYPE idem_build_info gauge\nidem_build_info{version=\"%s\"} 1\n",
+            IDEM_VERSION);
     if (m->role == IDEMP_ROLE_RELAY) {
         counter(f, "idem_relay_published_total", "Outbox rows published and marked sent.",
                 ld(&m->counters[IDEMP_M_RELAY_PUBLISHED]));
@@ -209,24 +261,12 @@ static void render(idemp_metrics_t *m, FILE *f)
     fprintf(f, "idem_reconnects_total{server=\"rabbitmq\"} %llu\n",
             (unsigned long long)ld(&m->reconnects[IDEMP_SERVER_RABBITMQ]));
 
-    /* Read the count first: a concurrent observation may then only make buckets run ahead of
-     * _count by a little, never behind. */
-    uint64_t count = ld(&m->duration_count);
-    uint64_t sum_ns = ld(&m->duration_sum_ns);
-    fprintf(f, "# HELP idem_batch_duration_seconds Time to process one batch (claim to "
-               "commit).\n# TYPE idem_batch_duration_seconds histogram\n");
-    uint64_t cum = 0;
-    for (size_t b = 0; b < NBUCKETS; b++) {
-        cum += ld(&m->buckets[b]);
-        fprintf(f, "idem_batch_duration_seconds_bucket{le=\"%g\"} %llu\n", bucket_le[b],
-                (unsigned long long)cum);
-    }
-    cum += ld(&m->buckets[NBUCKETS]);
-    if (cum < count)
-        cum = count;
-    fprintf(f, "idem_batch_duration_seconds_bucket{le=\"+Inf\"} %llu\n", (unsigned long long)cum);
-    fprintf(f, "idem_batch_duration_seconds_sum %.9f\n", (double)sum_ns / 1e9);
-    fprintf(f, "idem_batch_duration_seconds_count %llu\n", (unsigned long long)cum);
+    histogram(f, "idem_batch_duration_seconds", "Time to process one batch (claim to commit).",
+              bucket_le, NBUCKETS, m->buckets, &m->duration_sum_ns, &m->duration_count);
+    if (m->role == IDEMP_ROLE_CONSUMER)
+        histogram(f, "idem_consumer_lag_seconds",
+                  "Commit time minus the message's timestamp (whole seconds on the wire).", lag_le,
+                  NLAG, m->lag_buckets, &m->lag_sum_ns, &m->lag_count);
 }
 
 static enum MHD_Result reply(struct MHD_Connection *conn, unsigned int status, const char *ctype,

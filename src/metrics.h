@@ -39,6 +39,7 @@ void idemp_metrics_reconnect(idemp_metrics_t *m, idemp_server server);
 void idemp_metrics_paused(idemp_metrics_t *m, const char *sqlstate);
 void idemp_metrics_batch_duration(idemp_metrics_t *m, double seconds);
 void idemp_metrics_oldest_pending(idemp_metrics_t *m, double seconds); /* gauge; <0 = none */
+void idemp_metrics_lag(idemp_metrics_t *m, double seconds);            /* consumer's histogram */
 uint64_t idemp_metrics_get(const idemp_metrics_t *m, idemp_counter c);
 
 #endif
