@@ -470,33 +470,38 @@ static void channel_lost(idem_consumer_t *c, const char *why)
  * backing off. */
 static int ensure_amqp(idem_consumer_t *c, idem_error_t *err)
 {
-    if (idemp_amqp_connected(c->in) && idemp_amqp_connected(c->out))
+    bool in_up = idemp_amqp_connected(c->in);
+    if (in_up && idemp_amqp_connected(c->out))
         return IDEM_OK;
-    if (idemp_amqp_connected(c->in) || idemp_amqp_connected(c->out))
-        channel_lost(c, "one of the two RabbitMQ connections is down; starting both again");
-    bool again = false;
     idem_error_t e = {0};
-    int rc = idemp_amqp_ensure(c->in, false, &again, &e);
-    if (rc != IDEM_OK)
-        return IDEM_ERR_AMQP_CONNECT;
-    rc = setup_topology(c, &e);
-    if (rc == IDEM_ERR_REFUSED || rc == IDEM_ERR_NOT_FOUND) {
-        idem_error_set(err, rc, "%s", e.text);
-        return rc;
+    int rc;
+    if (!in_up) {
+        bool again = false;
+        if (idemp_amqp_connected(c->out))
+            idemp_amqp_disconnect(c->out, "the consuming connection is down; starting both again");
+        drop_window(c); /* its channel is gone: the broker gives the deliveries back */
+        rc = idemp_amqp_ensure(c->in, false, &again, &e);
+        if (rc != IDEM_OK)
+            return IDEM_ERR_AMQP_CONNECT;
+        rc = setup_topology(c, &e);
+        if (rc == IDEM_ERR_REFUSED || rc == IDEM_ERR_NOT_FOUND) {
+            idem_error_set(err, rc, "%s", e.text);
+            return rc;
+        }
+        if (rc != IDEM_OK) {
+            channel_lost(c, e.text);
+            return IDEM_ERR_AMQP_CONNECT;
+        }
+        if (again)
+            idemp_metrics_reconnect(c->metrics, IDEMP_SERVER_RABBITMQ);
+        const char *kv[] = {"consumer", c->consumer, "queue", c->queue, "server",
+                            idemp_amqp_where(c->in), NULL};
+        idem_log(IDEM_LOG_INFO, LOGC, kv, "connected to RabbitMQ, consuming %d queue%s",
+                 c->nqueues, c->nqueues == 1 ? "" : "s");
     }
-    if (rc == IDEM_OK)
-        rc = idemp_amqp_ensure(c->out, true, NULL, &e);
-    if (rc != IDEM_OK) {
-        channel_lost(c, e.text);
-        return IDEM_ERR_AMQP_CONNECT;
-    }
-    if (again)
-        idemp_metrics_reconnect(c->metrics, IDEMP_SERVER_RABBITMQ);
-    const char *kv[] = {
-        "consumer", c->consumer, "queue", c->queue, "server", idemp_amqp_where(c->in), NULL};
-    idem_log(IDEM_LOG_INFO, LOGC, kv, "connected to RabbitMQ, consuming %d queue%s", c->nqueues,
-             c->nqueues == 1 ? "" : "s");
-    return IDEM_OK;
+    /* the dead-letter connection alone: the deliveries in hand stay */
+    rc = idemp_amqp_ensure(c->out, true, NULL, &e);
+    return rc == IDEM_OK ? IDEM_OK : IDEM_ERR_AMQP_CONNECT;
 }
 
 static bool ensure_pg(idem_consumer_t *c)
@@ -614,6 +619,13 @@ static bool read_deliveries(idem_consumer_t *c, int64_t first_wait_ms)
         budget = WINDOW_BYTES_MIN;
     int64_t first_deadline = idemp_now_ms() + first_wait_ms, linger_deadline = -1;
     size_t got = 0;
+    if ((int64_t)c->win_bytes >= budget) {
+        /* enough in memory: let the broker hold the rest, keep the link alive */
+        idemp_amqp_keepalive(c->in);
+        idemp_amqp_keepalive(c->out);
+        idemp_sleep_ms(first_wait_ms, c->cfg.stop);
+        return true;
+    }
     while (got < (size_t)c->cfg.batch_max && (int64_t)c->win_bytes < budget) {
         int64_t now = idemp_now_ms(), timeout;
         if (got == 0) {
@@ -661,28 +673,40 @@ static bool read_deliveries(idem_consumer_t *c, int64_t first_wait_ms)
     return true;
 }
 
+/* How long to wait for new deliveries when nothing can be tried at once: until the next retry
+ * is due, the pause ends or PostgreSQL may be tried again, at most a tick. */
+static int64_t idle_wait(idem_consumer_t *c, bool can_apply, int64_t now)
+{
+    int64_t next;
+    if (can_apply) {
+        next = idemp_window_next_due(c->win, c->nwin);
+    } else {
+        next = now + idemp_pg_retry_in_ms(c->pg);
+        if (c->pause_until > next)
+            next = c->pause_until;
+        if (next <= now)
+            next = now + 50; /* e.g. the SQL handlers' check failed: try again soon */
+    }
+    int64_t wait = next == INT64_MAX ? TICK_MS : next - now;
+    return wait < 0 ? 0 : wait > TICK_MS ? TICK_MS : wait;
+}
+
 /* One turn of the loop. */
 static void step(idem_consumer_t *c, delivery_t **pick)
 {
     size_t max = (size_t)c->cfg.batch_max;
     int64_t now = idemp_now_ms();
-    bool paused = now < c->pause_until;
-    bool ready = !paused && idemp_window_pick(c->win, c->nwin, now, pick, max) > 0;
-    int64_t wait = 0;
-    if (!ready) {
-        int64_t next = idemp_window_next_due(c->win, c->nwin);
-        if (paused && c->pause_until > next)
-            next = c->pause_until;
-        wait = next == INT64_MAX ? TICK_MS : next - now;
-        wait = wait < 0 ? 0 : wait > TICK_MS ? TICK_MS : wait;
-    }
-    if (!read_deliveries(c, wait))
+    bool can_apply = now >= c->pause_until && ensure_pg(c) && c->sql_checked;
+    bool ready = can_apply && idemp_window_pick(c->win, c->nwin, now, pick, max) > 0;
+    if (!read_deliveries(c, ready ? 0 : idle_wait(c, can_apply, now)))
         return;
+    /* the dead-letter connection is idle most of the time: answer its heartbeats */
+    idem_error_t e = {0};
+    if (idemp_amqp_service(c->out, &e) != IDEM_OK)
+        idemp_amqp_disconnect(c->out, e.text);
     dead_letter_all(c);
     now = idemp_now_ms();
-    size_t n = 0;
-    if (now >= c->pause_until && ensure_pg(c) && c->sql_checked)
-        n = idemp_window_pick(c->win, c->nwin, now, pick, max);
+    size_t n = can_apply ? idemp_window_pick(c->win, c->nwin, now, pick, max) : 0;
     if (n > 0) {
         tx_counts_t counts = {0, 0};
         idemp_consumer_apply(c, pick, n, &counts);
@@ -700,9 +724,6 @@ static void step(idem_consumer_t *c, delivery_t **pick)
             idem_log(IDEM_LOG_DEBUG, LOGC, kv, "batch committed");
         }
         dead_letter_all(c);
-    } else if (!idemp_pg_connected(c->pg)) {
-        idemp_amqp_keepalive(c->in);
-        idemp_amqp_keepalive(c->out);
     }
     ack_done(c);
 }

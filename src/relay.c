@@ -145,9 +145,12 @@ static int ensure_pg(idem_relay_t *r, idem_error_t *err)
 {
     bool daemon = !r->cfg.once, again = false;
     int rc = IDEM_OK;
-    for (int i = 0; i < NSLOTS && rc == IDEM_OK; i++)
-        rc = daemon ? idemp_pg_ensure(r->slots[i].pg, &again, NULL)
+    for (int i = 0; i < NSLOTS && rc == IDEM_OK; i++) {
+        bool a = false;
+        rc = daemon ? idemp_pg_ensure(r->slots[i].pg, &a, NULL)
                     : once_connect_pg(r->slots[i].pg, err);
+        again = again || a;
+    }
     if (rc != IDEM_OK)
         return rc;
     if (again)
@@ -308,9 +311,7 @@ static int turn(idem_relay_t *r, bool *busy, idem_error_t *e)
     }
     if (rc == IDEM_OK && cur != NULL)
         rc = idemp_relay_confirm(r, cur, e);
-    slot_t *next = rc == IDEM_OK && cur != NULL && !stopping(r) && !idemp_relay_isolating(r)
-                       ? free_slot(r)
-                       : NULL;
+    slot_t *next = rc == IDEM_OK && cur != NULL && !stopping(r) ? free_slot(r) : NULL;
     if (next != NULL) {
         size_t claimed = 0;
         rc = idemp_relay_claim(r, next, &claimed, e);

@@ -117,11 +117,34 @@ size_t idemp_relay_gap_filter(const gap_row_t *rows, size_t n, size_t max, bool 
 
 /* ---- suspects -------------------------------------------------------------------------------- */
 
+/* Rows that were unconfirmed when the broker closed the channel because of a message, and rows
+ * found to be such a message: each goes out alone, nothing else while it waits for its confirm,
+ * so that the next refusal names one row. They are forgotten once confirmed, or after a while. */
 bool idemp_relay_isolating(idem_relay_t *r)
 {
-    if (r->nsuspects > 0 && idemp_now_ms() > r->suspects_until)
-        r->nsuspects = 0; /* they were settled elsewhere, or are not due: stop isolating */
+    if (r->nsuspects > 0 && idemp_now_ms() > r->suspects_until) {
+        r->nsuspects = 0;
+        r->suspect_out = false;
+    }
     return r->nsuspects > 0;
+}
+
+static bool is_suspect(idem_relay_t *r, const char *outbox_id)
+{
+    if (!idemp_relay_isolating(r))
+        return false;
+    for (size_t i = 0; i < r->nsuspects; i++)
+        if (strcmp(r->suspects[i], outbox_id) == 0)
+            return true;
+    return false;
+}
+
+static void add_suspect(idem_relay_t *r, const char *outbox_id)
+{
+    r->suspects_until = idemp_now_ms() + SUSPECTS_KEEP_MS;
+    if (is_suspect(r, outbox_id) || r->nsuspects == SUSPECTS_MAX)
+        return;
+    snprintf(r->suspects[r->nsuspects++], sizeof r->suspects[0], "%s", outbox_id);
 }
 
 static void forget_suspect(idem_relay_t *r, const char *outbox_id)
@@ -164,8 +187,10 @@ static void on_confirm(void *ud, idemp_confirm_kind kind, uint64_t tag, bool mul
                     row->state = R_RETURNED;
             } else if (multiple ? row->tag <= tag : row->tag == tag) {
                 row->state = kind == IDEMP_CONFIRM_ACK ? R_ACKED : R_NACKED;
-                if (r->nsuspects > 0)
-                    forget_suspect(r, row->outbox_id);
+                if (r->nsuspects > 0) {
+                    forget_suspect(r, row->outbox_id); /* the broker took it: not the one */
+                    r->suspect_out = false;
+                }
             }
         }
     }
@@ -198,10 +223,7 @@ static int publish_row(idem_relay_t *r, row_t *row, idem_error_t *err)
 static int publish_wave(idem_relay_t *r, slot_t *sl, size_t *published, idem_error_t *err)
 {
     *published = 0;
-    bool one = idemp_relay_isolating(r);
-    if (one && unconfirmed(r) > 0)
-        return IDEM_OK;
-    for (size_t i = 0; i < sl->n; i++) {
+    for (size_t i = 0; i < sl->n && !r->suspect_out; i++) {
         row_t *row = &sl->rows[i];
         if (row->state != R_UNSENT)
             continue;
@@ -212,6 +234,9 @@ static int publish_wave(idem_relay_t *r, slot_t *sl, size_t *published, idem_err
             row->state = R_HELD;
             continue;
         }
+        bool alone = is_suspect(r, row->outbox_id);
+        if (alone && unconfirmed(r) > 0)
+            continue; /* a suspect goes out alone: when the others are confirmed */
         int rc = publish_row(r, row, err);
         if (rc != IDEM_OK)
             return rc;
@@ -219,8 +244,7 @@ static int publish_wave(idem_relay_t *r, slot_t *sl, size_t *published, idem_err
             continue; /* poison: settled as a failed attempt, later rows are held */
         sl->last_tag = row->tag;
         (*published)++;
-        if (one)
-            break;
+        r->suspect_out = alone;
     }
     return IDEM_OK;
 }
@@ -283,7 +307,7 @@ static int load_rows(idem_relay_t *r, slot_t *sl, idemp_rows_t *res, idem_error_
 int idemp_relay_claim(idem_relay_t *r, slot_t *sl, size_t *claimed, idem_error_t *err)
 {
     char limit[16];
-    snprintf(limit, sizeof limit, "%d", idemp_relay_isolating(r) ? 1 : r->cfg.batch);
+    snprintf(limit, sizeof limit, "%d", r->cfg.batch);
     idemp_rows_t *cands = NULL, *res = NULL;
     *claimed = 0;
     sl->t0 = idemp_now_ms();
@@ -561,24 +585,24 @@ void idemp_relay_salvage(idem_relay_t *r, int rc, const idem_error_t *err)
             if (row->state == R_UNSENT) {
                 row->state = R_HELD;
             } else if (row->state == R_SENT_WAIT && by_message && open == 1) {
-                /* it alone was out when the broker refused: it is the one */
+                /* it alone was out when the broker refused: it is the one; it spends an
+                 * attempt, and goes out alone next time too */
                 snprintf(row->why, sizeof row->why, "refused by the broker: %.170s", err->text);
                 row->state = R_POISON;
-                forget_suspect(r, row->outbox_id);
+                add_suspect(r, row->outbox_id);
             } else if (row->state == R_SENT_WAIT) {
                 row->state = R_UNKNOWN;
-                if (by_message && r->nsuspects < SUSPECTS_MAX)
-                    snprintf(r->suspects[r->nsuspects++], sizeof r->suspects[0], "%s",
-                             row->outbox_id);
+                if (by_message)
+                    add_suspect(r, row->outbox_id);
             }
         }
     }
+    r->suspect_out = false;
     if (by_message && open > 1) {
-        r->suspects_until = idemp_now_ms() + 120000;
         const char *kv[] = {"server", idemp_amqp_where(r->amqp), NULL};
         idem_log(IDEM_LOG_WARN, LOGC, kv,
-                 "the broker refused one of %zu unconfirmed messages; publishing them one at a "
-                 "time to find it",
+                 "the broker refused one of %zu unconfirmed messages; each goes out alone until "
+                 "it is found",
                  open);
     }
     /* what the broker confirmed is marked; the rest stays pending, nothing spent */

@@ -48,6 +48,7 @@ typedef struct slot {
 
 #define NSLOTS 2
 #define SUSPECTS_MAX 256
+#define SUSPECTS_KEEP_MS (10 * 60 * 1000)
 
 struct idem_relay {
     idem_relay_config_t cfg;
@@ -61,11 +62,12 @@ struct idem_relay {
     int64_t gauge_next_ms;
     int64_t pg_wait_until; /* after a failed statement: no claim before this */
     int pg_failures;
-    /* rows that were unconfirmed when the broker closed the channel for a message: published
-     * one at a time until each is settled, so that the one the broker refuses is found */
+    /* rows that were unconfirmed when the broker closed the channel for a message (and rows found
+     * to be such a message): each goes out alone until it is confirmed (relay_batch.c) */
     char suspects[SUSPECTS_MAX][37];
     size_t nsuspects;
     int64_t suspects_until;
+    bool suspect_out; /* a suspect is published and waits for its confirm */
     idem_relay_stats_t stats;
     volatile sig_atomic_t no_stop;
 };
