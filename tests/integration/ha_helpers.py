@@ -36,6 +36,12 @@ SERVICES = os.path.join(REPO, "scripts", "services.sh")
 _live = set()  # instances started and not yet stopped, stopped at exit if a teardown never ran
 
 
+def _services_env():
+    # The session's env.sh exports IDEM_PG_PORT and IDEM_AMQP_PORT, which `start` would take as
+    # the ports to use: an instance of its own picks free ones.
+    return {k: v for k, v in os.environ.items() if k not in ("IDEM_PG_PORT", "IDEM_AMQP_PORT")}
+
+
 def read_env(path):
     """The variables an env.sh exports, as a dict (shell quoting undone)."""
     out = {}
@@ -68,7 +74,7 @@ class Instance:
         _live.add(self)
         r = subprocess.run([SERVICES, "start", self.dir, *self.options], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, timeout=timeout,
-                           stdin=subprocess.DEVNULL)
+                           stdin=subprocess.DEVNULL, env=_services_env())
         if r.returncode != 0:
             self.stop()
             raise AssertionError(f"services.sh start {' '.join(self.options)} failed "
@@ -82,7 +88,7 @@ class Instance:
             return
         try:
             subprocess.run([SERVICES, "stop", self.dir], capture_output=True, timeout=180,
-                           stdin=subprocess.DEVNULL)
+                           stdin=subprocess.DEVNULL, env=_services_env())
         finally:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
@@ -92,7 +98,8 @@ class Instance:
         """Runs `services.sh COMMAND DIR ARGS...`; returns its stdout (AssertionError if it fails
         and check is true, else the CompletedProcess)."""
         r = subprocess.run([SERVICES, command, self.dir, *map(str, args)], capture_output=True,
-                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+                           text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                           env=_services_env())
         if not check:
             return r
         if r.returncode != 0:
