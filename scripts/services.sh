@@ -58,7 +58,8 @@
 #
 # Every instance has its own ports (free loopback ports picked at start, or IDEM_PG_PORT /
 # IDEM_AMQP_PORT for server 1 and node 1), its own epmd on a private ERL_EPMD_PORT, node names
-# and cookie, so several instances can run side by side. Logs go to stderr and to files under DIR.
+# and cookie, so several instances can run side by side (a start run under `with` inherits the
+# IDEM_*_PORT of env.sh: unset them first). Logs go to stderr and to files under DIR.
 # Set IDEM_SVC_KEEP=1 to keep the temporary directory of `with -` (logs) after the run.
 set -euo pipefail
 
