@@ -77,7 +77,10 @@ UNIT_TESTS := \
 	tests/unit/test_backoff \
 	tests/unit/test_uuid \
 	tests/unit/test_billing_payload \
-	tests/unit/test_args
+	tests/unit/test_args \
+	tests/unit/test_policy \
+	tests/unit/test_consumer_window \
+	tests/unit/test_relay_gap
 
 LIB_OBJS := $(LIB_SRCS:%.c=$(BUILD)/%.o)
 HANDLER_OBJS := $(HANDLER_SRCS:%.c=$(BUILD)/%.o)
