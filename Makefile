@@ -34,17 +34,26 @@ LIB_SRCS := \
 	src/uuid.c \
 	src/fault.c \
 	src/pg.c \
+	src/pg_pipeline.c \
+	src/pg_array.c \
+	src/rmq_url.c \
 	src/rmq.c \
-	src/rmq_msg.c \
+	src/rmq_topology.c \
+	src/rmq_confirm.c \
+	src/rmq_deliver.c \
+	src/rmq_publish.c \
 	src/envelope.c \
 	src/registry.c \
 	src/policy.c \
 	src/event.c \
 	src/consumer.c \
+	src/consumer_sql.c \
+	src/consumer_topology.c \
 	src/consumer_tx.c \
 	src/consumer_window.c \
 	src/outbox.c \
 	src/relay.c \
+	src/relay_claim.c \
 	src/relay_batch.c \
 	src/migrate.c \
 	src/retain.c \

@@ -25,8 +25,6 @@
 #define CONFIRM_TIMEOUT_MS 30000
 #define WINDOW_BYTES_MIN (16LL << 20)
 
-#define SQL_FUNCTION_EXISTS "SELECT to_regprocedure($1) IS NOT NULL"
-
 static const char *const LOGC = "consumer";
 
 void idem_consumer_config_init(idem_consumer_config_t *cfg)
@@ -46,7 +44,7 @@ void idem_consumer_config_init(idem_consumer_config_t *cfg)
     cfg->metrics_addr = "127.0.0.1";
 }
 
-static char *xprintf(const char *fmt, const char *a, int i)
+char *idemp_consumer_name(const char *fmt, const char *a, int i)
 {
     size_t n = strlen(fmt) + strlen(a) + 16;
     char *s = malloc(n);
@@ -66,7 +64,8 @@ static bool make_queues(idem_consumer_t *c, const idem_consumer_config_t *cfg)
     c->nqueues = n;
     for (int i = 0; i < n; i++) {
         int part = cfg->partition_list ? cfg->partition_list[i] : i;
-        c->queues[i] = p == 1 ? strdup(cfg->queue) : xprintf("%s.p%d", cfg->queue, part);
+        c->queues[i] =
+            p == 1 ? strdup(cfg->queue) : idemp_consumer_name("%s.p%d", cfg->queue, part);
         if (c->queues[i] == NULL)
             return false;
     }
@@ -132,9 +131,9 @@ idem_consumer_t *idem_consumer_new(const idem_consumer_config_t *cfg, idem_error
     c->pg_conninfo = strdup(cfg->pg_conninfo ? cfg->pg_conninfo : "");
     c->amqp_url = strdup(cfg->amqp_url ? cfg->amqp_url : "amqp://guest:guest@127.0.0.1:5672");
     c->exchange = strdup(cfg->exchange ? cfg->exchange : "billing.events");
-    c->dlq = xprintf("%s.dlq", cfg->queue, 0);
-    c->dlx = xprintf("%s.dlx", cfg->queue, 0);
-    c->hash_exchange = xprintf("%s.hash", cfg->queue, 0);
+    c->dlq = idemp_consumer_name("%s.dlq", cfg->queue, 0);
+    c->dlx = idemp_consumer_name("%s.dlx", cfg->queue, 0);
+    c->hash_exchange = idemp_consumer_name("%s.hash", cfg->queue, 0);
     if (!c->consumer || !c->queue || !c->pg_conninfo || !c->amqp_url || !c->exchange || !c->dlq ||
         !c->dlx || !c->hash_exchange || !make_queues(c, cfg))
         goto nomem;
@@ -244,217 +243,6 @@ static bool stopping(const idem_consumer_t *c)
     return c->cfg.stop != NULL && *c->cfg.stop;
 }
 
-/* ---- SQL handlers ------------------------------------------------------------------------- */
-
-/* An unquoted SQL identifier, folded to lower case as PostgreSQL does. */
-static bool ident(const char *s, size_t n, char *out)
-{
-    if (n == 0 || n > 63 || !(isalpha((unsigned char)s[0]) || s[0] == '_'))
-        return false;
-    for (size_t i = 0; i < n; i++) {
-        unsigned char ch = (unsigned char)s[i];
-        if (!(isalnum(ch) || ch == '_' || ch == '$'))
-            return false;
-        out[i] = (char)tolower(ch);
-    }
-    out[n] = '\0';
-    return true;
-}
-
-static idem_outcome run_sql_handler(idem_event_t *ev, void *userdata)
-{
-    const sql_handler_t *h = userdata;
-    char *payload = json_dumps(idem_event_payload(ev), JSON_COMPACT);
-    char *headers = idemp_msg_headers_json(ev->msg);
-    if (payload == NULL || headers == NULL) {
-        free(payload);
-        free(headers);
-        return idem_event_fail(ev, IDEM_RETRY, "out of memory");
-    }
-    const char *params[] = {idem_event_id(ev), idem_event_type(ev), idem_event_subscription(ev),
-                            payload, headers};
-    idem_outcome o = idem_event_exec(ev, h->call, 5, params, NULL);
-    free(payload);
-    free(headers);
-    return o;
-}
-
-int idem_consumer_register_sql(idem_consumer_t *c, const char *event_type, const char *function)
-{
-    const char *dot = function ? strchr(function, '.') : NULL;
-    char schema[64], fn[64];
-    if (dot == NULL || !ident(function, (size_t)(dot - function), schema) ||
-        !ident(dot + 1, strlen(dot + 1), fn))
-        return IDEM_ERR_INVALID;
-    sql_handler_t *h = calloc(1, sizeof *h);
-    sql_handler_t **list = realloc(c->sql_handlers, (c->nsql_handlers + 1) * sizeof *list);
-    if (list != NULL)
-        c->sql_handlers = list;
-    char call[256], sig[200];
-    snprintf(call, sizeof call,
-             "SELECT \"%s\".\"%s\"($1::uuid, $2::text, $3::uuid, $4::jsonb, $5::jsonb)", schema,
-             fn);
-    snprintf(sig, sizeof sig, "\"%s\".\"%s\"(uuid,text,uuid,jsonb,jsonb)", schema, fn);
-    if (h == NULL || list == NULL || (h->call = strdup(call)) == NULL ||
-        (h->signature = strdup(sig)) == NULL) {
-        if (h != NULL) {
-            free(h->call);
-            free(h);
-        }
-        return IDEM_ERR_NOMEM;
-    }
-    c->sql_handlers[c->nsql_handlers++] = h; /* owned by c, freed with it */
-    return idemp_registry_add(c->reg, event_type, run_sql_handler, h);
-}
-
-/* Every SQL handler's function must exist before anything is consumed. */
-static int check_sql_handlers(idem_consumer_t *c, idem_error_t *err)
-{
-    for (size_t i = 0; i < idemp_registry_count(c->reg); i++) {
-        const idemp_handler_entry_t *e =
-            idemp_registry_find(c->reg, idemp_registry_type(c->reg, i));
-        if (e->fn != run_sql_handler)
-            continue;
-        const sql_handler_t *h = e->userdata;
-        idemp_rows_t *res = NULL;
-        const char *p[] = {h->signature};
-        int rc = idemp_pg_exec(c->pg, SQL_FUNCTION_EXISTS, 1, p, &res, err);
-        if (rc != IDEM_OK)
-            return rc;
-        bool ok = idemp_rows_count(res) == 1 && idemp_rows_get(res, 0, 0)[0] == 't';
-        idemp_rows_free(res);
-        if (!ok)
-            return idem_error_set(err, IDEM_ERR_NOT_FOUND,
-                                  "handler for %s: function %s does not exist", e->event_type,
-                                  h->signature);
-    }
-    return IDEM_OK;
-}
-
-/* ---- topology ----------------------------------------------------------------------------- */
-
-static int bind_keys(idem_consumer_t *c, const char *target, bool exchange, idem_error_t *err)
-{
-    int rc = IDEM_OK;
-    size_t n = c->binds ? 0 : idemp_registry_count(c->reg);
-    for (size_t i = 0; rc == IDEM_OK; i++) {
-        const char *key = c->binds ? c->binds[i] : (i < n ? idemp_registry_type(c->reg, i) : NULL);
-        if (key == NULL)
-            break;
-        rc = exchange ? idemp_amqp_bind_exchange(c->in, target, c->exchange, key, err)
-                      : idemp_amqp_bind(c->in, target, c->exchange, key, err);
-    }
-    return rc;
-}
-
-/* P > 1: the partitions must be exactly p0..p<P-1>: p<P> must not exist, nor p0 without p<P-1>. */
-static int check_partition_count(idem_consumer_t *c, idem_error_t *err)
-{
-    int p = c->cfg.partitions;
-    char *beyond = xprintf("%s.p%d", c->queue, p), *last = xprintf("%s.p%d", c->queue, p - 1);
-    char *first = xprintf("%s.p%d", c->queue, 0);
-    int rc = beyond && last && first ? IDEM_OK : IDEM_ERR_NOMEM;
-    idem_error_t e = {0};
-    int more = rc == IDEM_OK ? idemp_amqp_declare_queue(c->in, beyond, NULL, true, &e) : rc;
-    int has_first = more == IDEM_ERR_NOT_FOUND || more == IDEM_OK
-                        ? idemp_amqp_declare_queue(c->in, first, NULL, true, &e)
-                        : more;
-    int has_last = has_first == IDEM_OK ? idemp_amqp_declare_queue(c->in, last, NULL, true, &e)
-                                        : IDEM_ERR_NOT_FOUND;
-    if (more == IDEM_OK || (has_first == IDEM_OK && has_last == IDEM_ERR_NOT_FOUND))
-        rc = idem_error_set(err, IDEM_ERR_REFUSED,
-                            "%s is already partitioned %s %d queues (%s.p0, ...); every process "
-                            "of a group must use the same --partitions",
-                            c->queue, more == IDEM_OK ? "into more than" : "into fewer than", p,
-                            c->queue);
-    else if (more != IDEM_ERR_NOT_FOUND && more != IDEM_OK)
-        rc = more;
-    else if (has_first != IDEM_OK && has_first != IDEM_ERR_NOT_FOUND)
-        rc = has_first;
-    else if (has_last != IDEM_OK && has_last != IDEM_ERR_NOT_FOUND)
-        rc = has_last;
-    if (rc != IDEM_OK && err != NULL && err->code == 0)
-        *err = e;
-    free(beyond);
-    free(last);
-    free(first);
-    return rc;
-}
-
-static int declare_partitions(idem_consumer_t *c, const idemp_queue_spec_t *spec, idem_error_t *err)
-{
-    int rc = check_partition_count(c, err);
-    if (rc != IDEM_OK)
-        return rc;
-    rc = idemp_amqp_declare_exchange(c->in, c->hash_exchange, "x-consistent-hash",
-                                     "subscription_id", false, err);
-    if (rc != IDEM_OK && idemp_amqp_close_code(c->in) == 503) {
-        if (err != NULL)
-            err->code = 0;
-        return idem_error_set(err, IDEM_ERR_REFUSED,
-                              "--partitions needs the RabbitMQ plugin "
-                              "rabbitmq_consistent_hash_exchange, which is not enabled on "
-                              "RabbitMQ at %s (rabbitmq-plugins enable "
-                              "rabbitmq_consistent_hash_exchange)",
-                              idemp_amqp_where(c->in));
-    }
-    if (rc == IDEM_OK)
-        rc = bind_keys(c, c->hash_exchange, true, err);
-    for (int i = 0; rc == IDEM_OK && i < c->cfg.partitions; i++) {
-        char *q = xprintf("%s.p%d", c->queue, i);
-        if (q == NULL)
-            return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
-        rc = idemp_amqp_declare_queue(c->in, q, spec, false, err);
-        if (rc == IDEM_OK)
-            rc = idemp_amqp_bind(c->in, q, c->hash_exchange, "1", err);
-        free(q);
-    }
-    return rc;
-}
-
-/* With --no-declare: everything used must exist already. */
-static int check_topology(idem_consumer_t *c, idem_error_t *err)
-{
-    int rc = idemp_amqp_declare_exchange(c->in, c->exchange, "topic", NULL, true, err);
-    if (rc == IDEM_OK)
-        rc = idemp_amqp_declare_exchange(c->in, c->dlx, "direct", NULL, true, err);
-    if (rc == IDEM_OK)
-        rc = idemp_amqp_declare_queue(c->in, c->dlq, NULL, true, err);
-    for (int i = 0; rc == IDEM_OK && i < c->nqueues; i++)
-        rc = idemp_amqp_declare_queue(c->in, c->queues[i], NULL, true, err);
-    return rc;
-}
-
-static int setup_topology(idem_consumer_t *c, idem_error_t *err)
-{
-    int rc;
-    if (c->cfg.no_declare) {
-        rc = check_topology(c, err);
-    } else {
-        idemp_queue_spec_t dlq = {false, false, NULL, NULL};
-        idemp_queue_spec_t main = {true, c->cfg.partitions > 1, c->dlx, c->dlq};
-        rc = idemp_amqp_declare_exchange(c->in, c->exchange, "topic", NULL, false, err);
-        if (rc == IDEM_OK)
-            rc = idemp_amqp_declare_exchange(c->in, c->dlx, "direct", NULL, false, err);
-        if (rc == IDEM_OK)
-            rc = idemp_amqp_declare_queue(c->in, c->dlq, &dlq, false, err);
-        if (rc == IDEM_OK)
-            rc = idemp_amqp_bind(c->in, c->dlq, c->dlx, c->dlq, err);
-        if (rc == IDEM_OK && c->cfg.partitions == 1) {
-            rc = idemp_amqp_declare_queue(c->in, c->queue, &main, false, err);
-            if (rc == IDEM_OK)
-                rc = bind_keys(c, c->queue, false, err);
-        } else if (rc == IDEM_OK) {
-            rc = declare_partitions(c, &main, err);
-        }
-    }
-    if (rc == IDEM_OK)
-        rc = idemp_amqp_qos(c->in, c->cfg.prefetch, err);
-    for (int i = 0; rc == IDEM_OK && i < c->nqueues; i++)
-        rc = idemp_amqp_consume(c->in, c->queues[i], err);
-    return rc;
-}
-
 /* ---- connections -------------------------------------------------------------------------- */
 
 /* Deliveries of a dead channel come again from the broker: forget them with it. */
@@ -483,7 +271,7 @@ static int ensure_amqp(idem_consumer_t *c, idem_error_t *err)
         rc = idemp_amqp_ensure(c->in, false, &again, &e);
         if (rc != IDEM_OK)
             return IDEM_ERR_AMQP_CONNECT;
-        rc = setup_topology(c, &e);
+        rc = idemp_consumer_topology(c, &e);
         if (rc == IDEM_ERR_REFUSED || rc == IDEM_ERR_NOT_FOUND) {
             idem_error_set(err, rc, "%s", e.text);
             return rc;
@@ -494,10 +282,10 @@ static int ensure_amqp(idem_consumer_t *c, idem_error_t *err)
         }
         if (again)
             idemp_metrics_reconnect(c->metrics, IDEMP_SERVER_RABBITMQ);
-        const char *kv[] = {"consumer", c->consumer, "queue", c->queue, "server",
-                            idemp_amqp_where(c->in), NULL};
-        idem_log(IDEM_LOG_INFO, LOGC, kv, "connected to RabbitMQ, consuming %d queue%s",
-                 c->nqueues, c->nqueues == 1 ? "" : "s");
+        const char *kv[] = {
+            "consumer", c->consumer, "queue", c->queue, "server", idemp_amqp_where(c->in), NULL};
+        idem_log(IDEM_LOG_INFO, LOGC, kv, "connected to RabbitMQ, consuming %d queue%s", c->nqueues,
+                 c->nqueues == 1 ? "" : "s");
     }
     /* the dead-letter connection alone: the deliveries in hand stay */
     rc = idemp_amqp_ensure(c->out, true, NULL, &e);
@@ -753,7 +541,7 @@ int idem_consumer_run(idem_consumer_t *c, idem_error_t *err)
     while (!stopping(c)) {
         if (!c->sql_checked && ensure_pg(c)) {
             idem_error_t e = {0};
-            result = check_sql_handlers(c, &e);
+            result = idemp_consumer_check_sql(c, &e);
             if (result == IDEM_ERR_NOT_FOUND) {
                 idem_error_set(err, result, "%s", e.text);
                 break;

@@ -71,6 +71,16 @@ struct idem_consumer {
     volatile sig_atomic_t no_stop;
 };
 
+/* ---- consumer.c, consumer_sql.c, consumer_topology.c ---- */
+
+/* printf(fmt, a, i) into a new string (free()), or NULL. */
+char *idemp_consumer_name(const char *fmt, const char *a, int i);
+/* Declares (or checks) the topology and starts consuming; IDEM_ERR_REFUSED / IDEM_ERR_NOT_FOUND
+ * for configurations that cannot work. */
+int idemp_consumer_topology(idem_consumer_t *c, idem_error_t *err);
+/* Every SQL handler's function exists: IDEM_OK, or IDEM_ERR_NOT_FOUND naming it. */
+int idemp_consumer_check_sql(idem_consumer_t *c, idem_error_t *err);
+
 /* ---- consumer_window.c: pure decisions over the deliveries in hand ---- */
 
 /* Picks into out (capacity max) the deliveries that may be tried now, in tag order: READY ones

@@ -11,36 +11,7 @@
 #include "backoff.h"
 #include "clock.h"
 #include "mask.h"
-#include "pg.h"
-
-#define PREPARED_MAX 64
-
-struct prepared {
-    uint64_t hash;
-    char *sql;
-    char name[24];
-};
-
-struct idemp_pg {
-    char *conninfo;
-    const char *component;
-    char where[256];
-    PGconn *conn;
-    struct prepared prepared[PREPARED_MAX];
-    int nprepared;
-    int generation;     /* bumps on every connect */
-    unsigned next_name; /* prepared statement names are never reused on a connection */
-    bool pipeline;      /* in libpq pipeline mode */
-    int first_new;      /* prepared entries from here on were queued in this pipeline */
-    bool paused;        /* pipeline left early by idemp_pg_pipeline_pause */
-    int queued;         /* results not yet read */
-    idem_error_t perr;  /* first error of the pipeline */
-    char last_tag[16];  /* command tag of the last statement that succeeded */
-    idemp_backoff_t backoff;
-    int64_t next_ms; /* next connection attempt (monotonic) */
-    bool was_up;     /* connected at least once */
-    bool failing;    /* the last attempt failed (its reason was logged) */
-};
+#include "pg_int.h"
 
 /* ---- rows -------------------------------------------------------------------------------- */
 
@@ -161,7 +132,7 @@ static void on_notice(void *arg, const char *message)
     idem_log(IDEM_LOG_DEBUG, "postgres", NULL, "%s", message);
 }
 
-static int result_error(PGconn *conn, PGresult *res, const char *sql, idem_error_t *err);
+int idemp_pg_result_error(PGconn *conn, PGresult *res, const char *sql, idem_error_t *err);
 
 /* Keepalive defaults come before the caller's conninfo (expanded from dbname), which wins: a dead
  * peer is noticed in about a minute instead of the kernel's two hours. */
@@ -217,7 +188,7 @@ int idemp_pgconn_script(PGconn *conn, const char *sql, const char *what, idem_er
     ExecStatusType st = res ? PQresultStatus(res) : PGRES_FATAL_ERROR;
     int rc = IDEM_OK;
     if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK) {
-        rc = result_error(conn, res, what, err);
+        rc = idemp_pg_result_error(conn, res, what, err);
     }
     PQclear(res);
     return rc;
@@ -300,7 +271,7 @@ int idemp_pg_socket(const idemp_pg_t *pg)
 /* ---- results and errors ------------------------------------------------------------------- */
 
 /* Sorts a failed result into query error or lost connection and fills err. */
-static int result_error(PGconn *conn, PGresult *res, const char *sql, idem_error_t *err)
+int idemp_pg_result_error(PGconn *conn, PGresult *res, const char *sql, idem_error_t *err)
 {
     const char *state = res ? PQresultErrorField(res, PG_DIAG_SQLSTATE) : NULL;
     const char *msg = res ? PQresultErrorMessage(res) : "";
@@ -318,25 +289,25 @@ static int result_error(PGconn *conn, PGresult *res, const char *sql, idem_error
     return code;
 }
 
-static void keep_tag(idemp_pg_t *pg, PGresult *res)
+void idemp_pg_keep_tag(idemp_pg_t *pg, PGresult *res)
 {
     if (pg != NULL)
         snprintf(pg->last_tag, sizeof pg->last_tag, "%s", PQcmdStatus(res));
 }
 
-static int check_result(idemp_pg_t *pg, PGconn *conn, PGresult *res, const char *sql,
-                        idemp_rows_t **out, idem_error_t *err)
+int idemp_pg_check_result(idemp_pg_t *pg, PGconn *conn, PGresult *res, const char *sql,
+                          idemp_rows_t **out, idem_error_t *err)
 {
     ExecStatusType st = res ? PQresultStatus(res) : PGRES_FATAL_ERROR;
     if (st == PGRES_COMMAND_OK || st == PGRES_TUPLES_OK) {
-        keep_tag(pg, res);
+        idemp_pg_keep_tag(pg, res);
         if (out != NULL)
             *out = (idemp_rows_t *)res;
         else
             PQclear(res);
         return IDEM_OK;
     }
-    int rc = result_error(conn, res, sql, err);
+    int rc = idemp_pg_result_error(conn, res, sql, err);
     PQclear(res);
     if (out != NULL)
         *out = NULL;
@@ -351,153 +322,23 @@ int idemp_pgconn_exec(PGconn *conn, const char *sql, int nparams, const char *co
     if (conn == NULL)
         return idem_error_set(err, IDEM_ERR_PG_LOST, "not connected to PostgreSQL");
     PGresult *res = PQexecParams(conn, sql, nparams, NULL, params, NULL, NULL, 0);
-    return check_result(NULL, conn, res, sql, out, err);
+    return idemp_pg_check_result(NULL, conn, res, sql, out, err);
 }
 
 /* A lost connection is dropped at once, so that every caller sees idemp_pg_connected() false. */
-static int lost_check(idemp_pg_t *pg, int rc, const idem_error_t *err)
+int idemp_pg_lost_check(idemp_pg_t *pg, int rc, const idem_error_t *err)
 {
     if (rc == IDEM_ERR_PG_LOST)
         idemp_pg_disconnect(pg, err != NULL && err->text[0] ? err->text : "connection lost");
     return rc;
 }
 
-/* ---- pipeline mode ------------------------------------------------------------------------ */
-
-/* Reads one queued result in pipeline mode; keeps the first error in pg->perr. The result is
- * returned in *out (if non-NULL and the statement succeeded), otherwise cleared. */
-static int read_queued(idemp_pg_t *pg, const char *what, PGresult **out)
-{
-    PGresult *res = PQgetResult(pg->conn);
-    pg->queued--;
-    if (res == NULL) {
-        pg->queued = 0;
-        return idem_error_set(&pg->perr, IDEM_ERR_PG_LOST, "%s failed: %s", what,
-                              PQerrorMessage(pg->conn));
-    }
-    ExecStatusType st = PQresultStatus(res);
-    int rc = IDEM_OK;
-    if (st == PGRES_PIPELINE_ABORTED) {
-        rc = pg->perr.code ? pg->perr.code : IDEM_ERR_PG_QUERY;
-        PQclear(res);
-    } else if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK) {
-        rc = result_error(pg->conn, res, what, &pg->perr);
-        PQclear(res);
-    } else {
-        keep_tag(pg, res);
-        if (out != NULL)
-            *out = res;
-        else
-            PQclear(res);
-    }
-    PGresult *end = PQgetResult(pg->conn); /* NULL closes each statement's results */
-    if (end != NULL)
-        PQclear(end);
-    return rc;
-}
-
-static int pipeline_send_failed(idemp_pg_t *pg, const char *sql, idem_error_t *err)
-{
-    idem_error_set(&pg->perr, IDEM_ERR_PG_LOST, "sending %.40s failed: %s", sql,
-                   PQerrorMessage(pg->conn));
-    return idem_error_set(err, IDEM_ERR_PG_LOST, "%s", pg->perr.text);
-}
-
-/* Queues a statement in pipeline mode; with out, reads every queued result up to it. */
-static int pipeline_exec(idemp_pg_t *pg, const char *sql, const char *name, int nparams,
-                         const char *const *params, idemp_rows_t **out, idem_error_t *err)
-{
-    int ok = name != NULL ? PQsendQueryPrepared(pg->conn, name, nparams, params, NULL, NULL, 0)
-                          : PQsendQueryParams(pg->conn, sql, nparams, NULL, params, NULL, NULL, 0);
-    if (!ok)
-        return pipeline_send_failed(pg, sql, err);
-    pg->queued++;
-    if (out == NULL)
-        return IDEM_OK;
-    if (!PQsendFlushRequest(pg->conn) || PQflush(pg->conn) != 0)
-        return pipeline_send_failed(pg, sql, err);
-    while (pg->queued > 1)
-        read_queued(pg, "pipelined statement", NULL);
-    PGresult *res = NULL;
-    read_queued(pg, sql, &res);
-    *out = (idemp_rows_t *)res;
-    if (res == NULL) {
-        idem_error_set(&pg->perr, IDEM_ERR_PG_QUERY, "statement skipped after an earlier error");
-        if (err != NULL && err->code == 0)
-            *err = pg->perr;
-        return pg->perr.code;
-    }
-    return IDEM_OK;
-}
-
-int idemp_pg_pipeline_begin(idemp_pg_t *pg, idem_error_t *err)
-{
-    if (!idemp_pg_connected(pg))
-        return idem_error_set(err, IDEM_ERR_PG_LOST, "not connected to PostgreSQL at %s",
-                              pg->where);
-    if (!PQenterPipelineMode(pg->conn))
-        return idem_error_set(err, IDEM_ERR_PG_QUERY, "cannot enter pipeline mode: %s",
-                              PQerrorMessage(pg->conn));
-    memset(&pg->perr, 0, sizeof pg->perr);
-    pg->pipeline = true;
-    pg->paused = false;
-    pg->queued = 0;
-    pg->first_new = pg->nprepared;
-    return IDEM_OK;
-}
-
-void idemp_pg_pipeline_pause(idemp_pg_t *pg)
-{
-    if (!pg->pipeline || pg->conn == NULL)
-        return;
-    if (!PQpipelineSync(pg->conn)) {
-        idem_error_set(&pg->perr, IDEM_ERR_PG_LOST, "pipeline sync failed: %s",
-                       PQerrorMessage(pg->conn));
-    } else {
-        while (pg->queued > 0)
-            read_queued(pg, "pipelined statement", NULL);
-        PGresult *res = PQgetResult(pg->conn);
-        if (res == NULL || PQresultStatus(res) != PGRES_PIPELINE_SYNC)
-            idem_error_set(&pg->perr, IDEM_ERR_PG_LOST, "pipeline sync lost: %s",
-                           PQerrorMessage(pg->conn));
-        PQclear(res);
-    }
-    if (PQstatus(pg->conn) == CONNECTION_OK && !PQexitPipelineMode(pg->conn))
-        idem_error_set(&pg->perr, IDEM_ERR_PG_LOST, "cannot leave pipeline mode: %s",
-                       PQerrorMessage(pg->conn));
-    if (PQstatus(pg->conn) != CONNECTION_OK && pg->perr.code != 0)
-        pg->perr.code = IDEM_ERR_PG_LOST;
-    pg->pipeline = false;
-    pg->paused = true;
-    pg->queued = 0;
-    if (pg->perr.code != 0) {
-        /* a queued PREPARE may not have happened: forget what this pipeline prepared */
-        for (int i = pg->first_new; i < pg->nprepared; i++)
-            free(pg->prepared[i].sql);
-        pg->nprepared = pg->first_new;
-    }
-}
-
-int idemp_pg_pipeline_end(idemp_pg_t *pg, idem_error_t *err)
-{
-    if (!pg->pipeline && !pg->paused)
-        return IDEM_OK;
-    idemp_pg_pipeline_pause(pg);
-    pg->paused = false;
-    if (pg->perr.code != 0) {
-        if (err != NULL && err->code == 0)
-            *err = pg->perr;
-        return lost_check(pg, pg->perr.code, &pg->perr);
-    }
-    return IDEM_OK;
-}
-
 /* ---- statements -------------------------------------------------------------------------- */
 
 /* The name of sql's prepared statement, preparing it (queued, in pipeline mode) on first use;
  * NULL when it runs unnamed. */
-static int prepared_name(idemp_pg_t *pg, const char *sql, int nparams, const char **name,
-                         idem_error_t *err)
+int idemp_pg_prepared_name(idemp_pg_t *pg, const char *sql, int nparams, const char **name,
+                           idem_error_t *err)
 {
     *name = NULL;
     uint64_t h = fnv1a(sql);
@@ -514,16 +355,16 @@ static int prepared_name(idemp_pg_t *pg, const char *sql, int nparams, const cha
         /* queued like the rest; a failure surfaces at the end of the pipeline, and the entry is
          * then dropped (names are never reused, so nothing collides) */
         if (!PQsendPrepare(pg->conn, p->name, sql, nparams, NULL))
-            return pipeline_send_failed(pg, sql, err);
+            return idemp_pg_send_failed(pg, sql, err);
         pg->queued++;
     } else {
         PGresult *res = PQprepare(pg->conn, p->name, sql, nparams, NULL);
         idem_error_t e = {0};
-        int rc = check_result(pg, pg->conn, res, sql, NULL, &e);
+        int rc = idemp_pg_check_result(pg, pg->conn, res, sql, NULL, &e);
         if (rc != IDEM_OK) {
             if (err != NULL && err->code == 0)
                 *err = e;
-            return lost_check(pg, rc, &e);
+            return idemp_pg_lost_check(pg, rc, &e);
         }
     }
     p->sql = strdup(sql);
@@ -544,65 +385,19 @@ int idemp_pg_exec(idemp_pg_t *pg, const char *sql, int nparams, const char *cons
         return idem_error_set(err, IDEM_ERR_PG_LOST, "not connected to PostgreSQL at %s",
                               pg->where);
     const char *name;
-    int rc = prepared_name(pg, sql, nparams, &name, err);
+    int rc = idemp_pg_prepared_name(pg, sql, nparams, &name, err);
     if (rc != IDEM_OK)
         return rc;
     if (pg->pipeline)
-        return pipeline_exec(pg, sql, name, nparams, params, out, err);
+        return idemp_pg_pipeline_exec(pg, sql, name, nparams, params, out, err);
     PGresult *res = name != NULL
                         ? PQexecPrepared(pg->conn, name, nparams, params, NULL, NULL, 0)
                         : PQexecParams(pg->conn, sql, nparams, NULL, params, NULL, NULL, 0);
     idem_error_t e = {0};
-    rc = check_result(pg, pg->conn, res, sql, out, &e);
+    rc = idemp_pg_check_result(pg, pg->conn, res, sql, out, &e);
     if (rc != IDEM_OK && err != NULL && err->code == 0)
         *err = e;
-    return lost_check(pg, rc, &e);
-}
-
-int idemp_pg_pipeline_finish(idemp_pg_t *pg, const char *sql, int nparams,
-                             const char *const *params, idemp_rows_t **out, idem_error_t *err)
-{
-    *out = NULL;
-    if (!pg->pipeline)
-        return idemp_pg_exec(pg, sql, nparams, params, out, err);
-    const char *name;
-    int rc = prepared_name(pg, sql, nparams, &name, err);
-    if (rc != IDEM_OK)
-        return rc;
-    int ok = name != NULL ? PQsendQueryPrepared(pg->conn, name, nparams, params, NULL, NULL, 0)
-                          : PQsendQueryParams(pg->conn, sql, nparams, NULL, params, NULL, NULL, 0);
-    if (!ok)
-        return pipeline_send_failed(pg, sql, err);
-    pg->queued++;
-    if (!PQpipelineSync(pg->conn)) {
-        pipeline_send_failed(pg, sql, err);
-        return idemp_pg_pipeline_end(pg, NULL);
-    }
-    while (pg->queued > 1)
-        read_queued(pg, "pipelined statement", NULL);
-    PGresult *res = NULL;
-    read_queued(pg, sql, &res);
-    PGresult *sync = PQgetResult(pg->conn);
-    if (sync == NULL || PQresultStatus(sync) != PGRES_PIPELINE_SYNC)
-        idem_error_set(&pg->perr, IDEM_ERR_PG_LOST, "pipeline sync lost: %s",
-                       PQerrorMessage(pg->conn));
-    PQclear(sync);
-    pg->queued = 0;
-    if (PQstatus(pg->conn) == CONNECTION_OK && !PQexitPipelineMode(pg->conn))
-        idem_error_set(&pg->perr, IDEM_ERR_PG_LOST, "cannot leave pipeline mode: %s",
-                       PQerrorMessage(pg->conn));
-    pg->pipeline = pg->paused = false;
-    if (pg->perr.code != 0) {
-        PQclear(res);
-        for (int i = pg->first_new; i < pg->nprepared; i++)
-            free(pg->prepared[i].sql);
-        pg->nprepared = pg->first_new;
-        if (err != NULL && err->code == 0)
-            *err = pg->perr;
-        return lost_check(pg, pg->perr.code, &pg->perr);
-    }
-    *out = (idemp_rows_t *)res;
-    return IDEM_OK;
+    return idemp_pg_lost_check(pg, rc, &e);
 }
 
 int idemp_pg_command(idemp_pg_t *pg, const char *sql, idem_error_t *err)
@@ -611,12 +406,12 @@ int idemp_pg_command(idemp_pg_t *pg, const char *sql, idem_error_t *err)
         return idem_error_set(err, IDEM_ERR_PG_LOST, "not connected to PostgreSQL at %s",
                               pg->where);
     if (pg->pipeline)
-        return pipeline_exec(pg, sql, NULL, 0, NULL, NULL, err);
+        return idemp_pg_pipeline_exec(pg, sql, NULL, 0, NULL, NULL, err);
     idem_error_t e = {0};
-    int rc = check_result(pg, pg->conn, PQexec(pg->conn, sql), sql, NULL, &e);
+    int rc = idemp_pg_check_result(pg, pg->conn, PQexec(pg->conn, sql), sql, NULL, &e);
     if (rc != IDEM_OK && err != NULL && err->code == 0)
         *err = e;
-    return lost_check(pg, rc, &e);
+    return idemp_pg_lost_check(pg, rc, &e);
 }
 
 bool idemp_pg_in_transaction(const idemp_pg_t *pg)
@@ -634,7 +429,7 @@ int idemp_pg_commit(idemp_pg_t *pg, idem_error_t *err)
                               pg->where);
     int rc;
     if (pg->pipeline) {
-        rc = pipeline_exec(pg, "COMMIT", NULL, 0, NULL, NULL, err);
+        rc = idemp_pg_pipeline_exec(pg, "COMMIT", NULL, 0, NULL, NULL, err);
         if (rc == IDEM_OK)
             rc = idemp_pg_pipeline_end(pg, err); /* the COMMIT's outcome is known here */
     } else {
@@ -706,74 +501,4 @@ bool idemp_pg_take_notifies(idemp_pg_t *pg)
         PQfreemem(nt);
     }
     return any;
-}
-
-/* ---- array literals ------------------------------------------------------------------------ */
-
-void idemp_pgarray_init(idemp_pgarray_t *a)
-{
-    memset(a, 0, sizeof *a);
-}
-
-static bool reserve(idemp_pgarray_t *a, size_t more)
-{
-    size_t need = a->len + more + 3; /* the braces and the NUL */
-    if (need <= a->cap)
-        return true;
-    size_t cap = a->cap ? a->cap : 1024;
-    while (cap < need)
-        cap *= 2;
-    char *b = realloc(a->buf, cap);
-    if (b == NULL) {
-        a->failed = true;
-        return false;
-    }
-    if (a->buf == NULL)
-        b[0] = '{';
-    a->buf = b;
-    a->cap = cap;
-    if (a->len == 0)
-        a->len = 1;
-    return true;
-}
-
-void idemp_pgarray_add(idemp_pgarray_t *a, const char *elem)
-{
-    if (a->failed)
-        return;
-    size_t l = elem ? strlen(elem) : 0;
-    if (!reserve(a, l * 2 + 8))
-        return;
-    char *p = a->buf + a->len;
-    if (a->n > 0)
-        *p++ = ',';
-    if (elem == NULL) {
-        memcpy(p, "NULL", 4);
-        p += 4;
-    } else {
-        *p++ = '"';
-        for (const char *s = elem; *s; s++) {
-            if (*s == '"' || *s == '\\')
-                *p++ = '\\';
-            *p++ = *s;
-        }
-        *p++ = '"';
-    }
-    a->len = (size_t)(p - a->buf);
-    a->n++;
-}
-
-const char *idemp_pgarray_str(idemp_pgarray_t *a)
-{
-    if (a->failed || !reserve(a, 0))
-        return NULL;
-    a->buf[a->len] = '}';
-    a->buf[a->len + 1] = '\0';
-    return a->buf;
-}
-
-void idemp_pgarray_free(idemp_pgarray_t *a)
-{
-    free(a->buf);
-    idemp_pgarray_init(a);
 }

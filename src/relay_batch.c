@@ -1,6 +1,6 @@
-/* relay_batch.c - one batch of the relay: claim (whole subscriptions, gapless runs), publish in
- * waves with confirms, mark the outcome in the claiming transaction, commit; and what happens to
- * a batch when the broker link fails. */
+/* relay_batch.c - one batch of the relay after its claim (relay_claim.c): publish in waves with
+ * confirms, mark the outcome in the claiming transaction, commit; and what happens to a batch
+ * when the broker link fails. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,45 +16,6 @@
  * emitter's commit and a "sent" mark lost in a crash only makes the row go out again, which the
  * consumers' ledger absorbs (the crash between confirm and mark); the claim's plans do not depend
  * on its parameters, and planning it with a 200-element array costs more than running it. */
-#define SQL_SETTINGS                                                                               \
-    "SELECT set_config('synchronous_commit', 'off', true),"                                        \
-    " set_config('plan_cache_mode', 'force_generic_plan', true), set_config('jit', 'off', true),"  \
-    " set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)"
-
-/* Step 1: the oldest due rows whose subscription no other relay holds, skipping rows that wait
- * behind a retrying row of their subscription (so they cannot crowd out other subscriptions);
- * taking the subscription's transaction-level advisory lock is what makes a row a candidate. */
-#define SQL_LOCK_CANDIDATES                                                                        \
-    "SELECT o.outbox_id FROM event_outbox o"                                                       \
-    " WHERE o.status = 'pending' AND o.next_attempt_at <= now()"                                   \
-    "   AND NOT EXISTS (SELECT 1 FROM event_outbox e"                                              \
-    "                    WHERE e.subscription_id = o.subscription_id AND e.status = 'pending'"     \
-    "                      AND e.attempts > 0 AND e.next_attempt_at > now() AND e.seq < o.seq)"    \
-    "   AND pg_try_advisory_xact_lock(7649, hashtext(o.subscription_id::text))"                    \
-    " ORDER BY o.seq LIMIT $1"
-
-/* Step 2, with a snapshot taken after the locks are held: the candidates still pending and
- * due, minus any row behind an earlier row of its subscription that waits for a retry. Each row
- * carries the seq of the previous pending row of its subscription for the gap filter. The
- * candidates are found by primary key, one LATERAL probe each (OFFSET 0 keeps the planner from
- * turning that into a walk of the whole pending index), so the cost follows the batch, not the
- * backlog. The timestamp is the creation time in whole seconds, rounded down. */
-#define SQL_CLAIM_ROWS                                                                             \
-    "SELECT o.outbox_id, o.event_id, o.subscription_id, o.event_type, o.payload::text,"            \
-    "       o.attempts, floor(extract(epoch FROM o.created_at))::bigint, o.seq,"                   \
-    "       (SELECT h.seq FROM event_outbox h"                                                     \
-    "         WHERE h.subscription_id = o.subscription_id AND h.status = 'pending'"                \
-    "           AND h.seq < o.seq ORDER BY h.seq DESC LIMIT 1), o.headers::text"                   \
-    "  FROM unnest($1::uuid[]) AS c(id)"                                                           \
-    "  CROSS JOIN LATERAL (SELECT * FROM event_outbox x"                                           \
-    "                       WHERE x.outbox_id = c.id AND x.status = 'pending'"                     \
-    "                         AND x.next_attempt_at <= now()"                                      \
-    "                      OFFSET 0 FOR UPDATE SKIP LOCKED) o"                                     \
-    " WHERE NOT EXISTS (SELECT 1 FROM event_outbox e"                                              \
-    "                    WHERE e.subscription_id = o.subscription_id AND e.status = 'pending'"     \
-    "                      AND e.attempts > 0 AND e.next_attempt_at > now() AND e.seq < o.seq)"    \
-    " ORDER BY o.seq"
-
 #define SQL_MARK_SENT                                                                              \
     "UPDATE event_outbox o SET status = 'sent', sent_at = now()"                                   \
     "  FROM unnest($1::uuid[]) AS c(id)"                                                           \
@@ -71,49 +32,7 @@
     " WHERE o.outbox_id = f.id AND o.status = 'pending'"                                           \
     " RETURNING o.outbox_id, o.event_id, o.status, o.attempts"
 
-/* Column numbers of SQL_CLAIM_ROWS. */
-enum {
-    C_OUTBOX_ID,
-    C_EVENT_ID,
-    C_SUB,
-    C_TYPE,
-    C_PAYLOAD,
-    C_ATTEMPTS,
-    C_CREATED,
-    C_SEQ,
-    C_PREV,
-    C_HDR
-};
-
 static const char *const LOGC = "relay";
-
-/* ---- the gap filter ------------------------------------------------------------------------ */
-
-size_t idemp_relay_gap_filter(const gap_row_t *rows, size_t n, size_t max, bool *keep)
-{
-    size_t kept = 0;
-    for (size_t k = 0; k < n; k++) {
-        keep[k] = false;
-        if (kept == max)
-            continue;
-        const char *sub = rows[k].subscription_id, *prev_kept = NULL;
-        bool broken = false;
-        for (size_t j = 0; j < k; j++)
-            if (strcmp(rows[j].subscription_id, sub) == 0) {
-                if (keep[j])
-                    prev_kept = rows[j].seq;
-                else
-                    broken = true;
-            }
-        const char *pp = rows[k].prev_pending_seq;
-        bool follows = prev_kept == NULL ? pp == NULL : pp != NULL && strcmp(pp, prev_kept) == 0;
-        if (broken || !follows)
-            continue;
-        keep[k] = true;
-        kept++;
-    }
-    return kept;
-}
 
 /* ---- suspects -------------------------------------------------------------------------------- */
 
@@ -249,115 +168,10 @@ static int publish_wave(idem_relay_t *r, slot_t *sl, size_t *published, idem_err
     return IDEM_OK;
 }
 
-/* ---- claiming -------------------------------------------------------------------------------- */
-
-/* Fills sl's rows from the claim result, through the gap filter. */
-static int load_rows(idem_relay_t *r, slot_t *sl, idemp_rows_t *res, idem_error_t *err)
+int idemp_relay_publish_first(idem_relay_t *r, slot_t *sl, idem_error_t *err)
 {
-    size_t rows = (size_t)idemp_rows_count(res);
-    gap_row_t *g = calloc(rows ? rows : 1, sizeof *g);
-    bool *keep = calloc(rows ? rows : 1, sizeof *keep);
-    if (g == NULL || keep == NULL) {
-        free(g);
-        free(keep);
-        return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
-    }
-    for (size_t k = 0; k < rows; k++) {
-        g[k].subscription_id = idemp_rows_get(res, (int)k, C_SUB);
-        g[k].seq = idemp_rows_get(res, (int)k, C_SEQ);
-        g[k].prev_pending_seq =
-            idemp_rows_isnull(res, (int)k, C_PREV) ? NULL : idemp_rows_get(res, (int)k, C_PREV);
-    }
-    idemp_relay_gap_filter(g, rows, (size_t)r->cfg.batch, keep);
-    size_t n = 0;
-    for (size_t k = 0; k < rows; k++) {
-        int i = (int)k;
-        if (!keep[k]) {
-            const char *kv[] = {"subscription_id", g[k].subscription_id, "event_id",
-                                idemp_rows_get(res, i, C_EVENT_ID), NULL};
-            idem_log(IDEM_LOG_DEBUG, LOGC, kv,
-                     "left for a later claim: an earlier pending row of its subscription was "
-                     "not claimed");
-            continue;
-        }
-        row_t *row = &sl->rows[n++];
-        snprintf(row->outbox_id, sizeof row->outbox_id, "%s", idemp_rows_get(res, i, C_OUTBOX_ID));
-        snprintf(row->event_id, sizeof row->event_id, "%s", idemp_rows_get(res, i, C_EVENT_ID));
-        snprintf(row->subscription_id, sizeof row->subscription_id, "%s", g[k].subscription_id);
-        row->event_type = idemp_rows_get(res, i, C_TYPE);
-        row->payload = idemp_rows_get(res, i, C_PAYLOAD);
-        row->headers = idemp_rows_isnull(res, i, C_HDR) ? NULL : idemp_rows_get(res, i, C_HDR);
-        row->created_s = strtoll(idemp_rows_get(res, i, C_CREATED), NULL, 10);
-        row->seq = strtoll(g[k].seq, NULL, 10);
-        row->state = R_UNSENT;
-        row->why[0] = '\0';
-        row->prev = -1;
-        for (size_t j = n - 1; j-- > 0;)
-            if (memcmp(sl->rows[j].subscription_id, row->subscription_id, 36) == 0) {
-                row->prev = (int)j;
-                break;
-            }
-    }
-    free(g);
-    free(keep);
-    sl->n = n;
-    return IDEM_OK;
-}
-
-int idemp_relay_claim(idem_relay_t *r, slot_t *sl, size_t *claimed, idem_error_t *err)
-{
-    char limit[16];
-    snprintf(limit, sizeof limit, "%d", r->cfg.batch);
-    idemp_rows_t *cands = NULL, *res = NULL;
-    *claimed = 0;
-    sl->t0 = idemp_now_ms();
-
-    /* BEGIN, the settings and step 1 travel together */
-    int rc = idemp_pg_pipeline_begin(sl->pg, err);
-    if (rc == IDEM_OK)
-        rc = idemp_pg_command(sl->pg, "BEGIN", err);
-    if (rc == IDEM_OK) {
-        const char *p[] = {r->settings[0], r->settings[1]};
-        rc = idemp_pg_exec(sl->pg, SQL_SETTINGS, 2, p, NULL, err);
-    }
-    if (rc == IDEM_OK) {
-        const char *p[] = {limit};
-        rc = idemp_pg_pipeline_finish(sl->pg, SQL_LOCK_CANDIDATES, 1, p, &cands, err);
-    }
-    if (rc == IDEM_OK && idemp_rows_count(cands) == 0) {
-        idemp_rows_free(cands);
-        return idemp_pg_commit(sl->pg, err);
-    }
-    if (rc == IDEM_OK) {
-        idemp_pgarray_t ids;
-        idemp_pgarray_init(&ids);
-        for (int i = 0; i < idemp_rows_count(cands); i++)
-            idemp_pgarray_add(&ids, idemp_rows_get(cands, i, 0));
-        const char *p[] = {idemp_pgarray_str(&ids)};
-        rc = p[0] ? idemp_pg_exec(sl->pg, SQL_CLAIM_ROWS, 1, p, &res, err)
-                  : idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
-        idemp_pgarray_free(&ids);
-    }
-    idemp_rows_free(cands);
-    sl->t_claim = idemp_now_ms();
-    if (rc == IDEM_OK)
-        rc = load_rows(r, sl, res, err);
-    if (rc != IDEM_OK) {
-        idemp_rows_free(res);
-        return rc; /* the caller rolls back */
-    }
-    sl->res = res;
-    sl->confirmed = false;
-    sl->wait_ms = 0;
-    sl->inflight = true; /* from here the transaction is open until commit or abort */
-    sl->order = ++r->claims;
-    *claimed = sl->n;
-    if (sl->n == 0)
-        return IDEM_OK; /* every candidate was taken meanwhile: commit the empty batch */
     size_t published;
-    rc = publish_wave(r, sl, &published, err);
-    sl->t_pub = idemp_now_ms();
-    return rc;
+    return publish_wave(r, sl, &published, err);
 }
 
 /* ---- confirms and marking -------------------------------------------------------------------- */

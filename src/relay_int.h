@@ -90,6 +90,8 @@ size_t idemp_relay_gap_filter(const gap_row_t *rows, size_t n, size_t max, bool 
 /* Claims a batch into sl (BEGIN ... claim, the transaction stays open) and publishes its first
  * wave. *claimed = rows claimed. */
 int idemp_relay_claim(idem_relay_t *r, slot_t *sl, size_t *claimed, idem_error_t *err);
+/* Publishes the first wave of a batch just claimed (relay_batch.c). */
+int idemp_relay_publish_first(idem_relay_t *r, slot_t *sl, idem_error_t *err);
 /* Waits for sl's confirms, publishing the next wave each time, until the batch is settled. */
 int idemp_relay_confirm(idem_relay_t *r, slot_t *sl, idem_error_t *err);
 /* Marks sl's rows by their confirms and commits. */

@@ -45,12 +45,18 @@ struct idemp_msg {
     bool oversized;
 };
 
+/* Checks an RPC reply; on failure the connection is marked unusable (a broker refusal is
+ * answered with close-ok first). */
+int idemp_amqp_check_rpc(idemp_amqp_t *a, amqp_rpc_reply_t r, const char *what, idem_error_t *err);
 /* Marks the connection unusable and returns an IDEM_ERR_AMQP_LOST error naming what failed. */
 int idemp_amqp_lost(idemp_amqp_t *a, int amqp_status, const char *what, idem_error_t *err);
 /* Answers a connection.close or channel.close frame and returns IDEM_ERR_AMQP. */
 int idemp_amqp_on_close(idemp_amqp_t *a, const amqp_frame_t *f, idem_error_t *err);
 /* amqp_simple_wait_frame_noblock with a timeout in ms; IDEM_ERR_TIMEOUT when nothing arrived. */
 int idemp_amqp_wait_frame(idemp_amqp_t *a, amqp_frame_t *f, int64_t timeout_ms, idem_error_t *err);
+/* The next frame of the message being read: a content header or body frame (want) on our
+ * channel; a close is answered; anything else breaks the protocol. */
+int idemp_amqp_content_frame(idemp_amqp_t *a, int want, amqp_frame_t *f, idem_error_t *err);
 /* Bookkeeping after a publish: assigns the tag. */
 void idemp_amqp_published(idemp_amqp_t *a, uint64_t *tag);
 /* Waits for the confirm of tag (ack: IDEM_OK; nack or return: IDEM_ERR_AMQP). */

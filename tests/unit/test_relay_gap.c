@@ -31,7 +31,10 @@ static void test_runs_from_the_first_pending_row(void **state)
 {
     (void)state;
     const gap_row_t rows[] = {
-        {"A", "10", NULL}, {"B", "11", NULL}, {"A", "12", "10"}, {"B", "13", "11"},
+        {"A", "10", NULL},
+        {"B", "11", NULL},
+        {"A", "12", "10"},
+        {"B", "13", "11"},
     };
     assert_string_equal(kept(rows, 4, 100), "10,11,12,13");
 }
@@ -41,7 +44,10 @@ static void test_a_gap_stops_the_subscription(void **state)
     (void)state;
     /* A's pending row 11 was not claimed (another relay held it): 12 and after wait */
     const gap_row_t rows[] = {
-        {"A", "10", NULL}, {"A", "12", "11"}, {"B", "13", NULL}, {"A", "14", "12"},
+        {"A", "10", NULL},
+        {"A", "12", "11"},
+        {"B", "13", NULL},
+        {"A", "14", "12"},
     };
     assert_string_equal(kept(rows, 4, 100), "10,13");
 }

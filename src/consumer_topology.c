@@ -1,0 +1,132 @@
+/* consumer_topology.c - what the consumer declares on RabbitMQ (or, with --no-declare, checks):
+ * the exchange, the dead-letter exchange and queue, and QUEUE or a partitioned group's hash
+ * exchange and partition queues; then qos and consume. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "consumer_int.h"
+
+/* ---- topology ----------------------------------------------------------------------------- */
+
+static int bind_keys(idem_consumer_t *c, const char *target, bool exchange, idem_error_t *err)
+{
+    int rc = IDEM_OK;
+    size_t n = c->binds ? 0 : idemp_registry_count(c->reg);
+    for (size_t i = 0; rc == IDEM_OK; i++) {
+        const char *key = c->binds ? c->binds[i] : (i < n ? idemp_registry_type(c->reg, i) : NULL);
+        if (key == NULL)
+            break;
+        rc = exchange ? idemp_amqp_bind_exchange(c->in, target, c->exchange, key, err)
+                      : idemp_amqp_bind(c->in, target, c->exchange, key, err);
+    }
+    return rc;
+}
+
+/* P > 1: the partitions must be exactly p0..p<P-1>: p<P> must not exist, nor p0 without p<P-1>. */
+static int check_partition_count(idem_consumer_t *c, idem_error_t *err)
+{
+    int p = c->cfg.partitions;
+    char *beyond = idemp_consumer_name("%s.p%d", c->queue, p),
+         *last = idemp_consumer_name("%s.p%d", c->queue, p - 1);
+    char *first = idemp_consumer_name("%s.p%d", c->queue, 0);
+    int rc = beyond && last && first ? IDEM_OK : IDEM_ERR_NOMEM;
+    idem_error_t e = {0};
+    int more = rc == IDEM_OK ? idemp_amqp_declare_queue(c->in, beyond, NULL, true, &e) : rc;
+    int has_first = more == IDEM_ERR_NOT_FOUND || more == IDEM_OK
+                        ? idemp_amqp_declare_queue(c->in, first, NULL, true, &e)
+                        : more;
+    int has_last = has_first == IDEM_OK ? idemp_amqp_declare_queue(c->in, last, NULL, true, &e)
+                                        : IDEM_ERR_NOT_FOUND;
+    if (more == IDEM_OK || (has_first == IDEM_OK && has_last == IDEM_ERR_NOT_FOUND))
+        rc = idem_error_set(err, IDEM_ERR_REFUSED,
+                            "%s is already partitioned %s %d queues (%s.p0, ...); every process "
+                            "of a group must use the same --partitions",
+                            c->queue, more == IDEM_OK ? "into more than" : "into fewer than", p,
+                            c->queue);
+    else if (more != IDEM_ERR_NOT_FOUND && more != IDEM_OK)
+        rc = more;
+    else if (has_first != IDEM_OK && has_first != IDEM_ERR_NOT_FOUND)
+        rc = has_first;
+    else if (has_last != IDEM_OK && has_last != IDEM_ERR_NOT_FOUND)
+        rc = has_last;
+    if (rc != IDEM_OK && err != NULL && err->code == 0)
+        *err = e;
+    free(beyond);
+    free(last);
+    free(first);
+    return rc;
+}
+
+static int declare_partitions(idem_consumer_t *c, const idemp_queue_spec_t *spec, idem_error_t *err)
+{
+    int rc = check_partition_count(c, err);
+    if (rc != IDEM_OK)
+        return rc;
+    rc = idemp_amqp_declare_exchange(c->in, c->hash_exchange, "x-consistent-hash",
+                                     "subscription_id", false, err);
+    if (rc != IDEM_OK && idemp_amqp_close_code(c->in) == 503) {
+        if (err != NULL)
+            err->code = 0;
+        return idem_error_set(err, IDEM_ERR_REFUSED,
+                              "--partitions needs the RabbitMQ plugin "
+                              "rabbitmq_consistent_hash_exchange, which is not enabled on "
+                              "RabbitMQ at %s (rabbitmq-plugins enable "
+                              "rabbitmq_consistent_hash_exchange)",
+                              idemp_amqp_where(c->in));
+    }
+    if (rc == IDEM_OK)
+        rc = bind_keys(c, c->hash_exchange, true, err);
+    for (int i = 0; rc == IDEM_OK && i < c->cfg.partitions; i++) {
+        char *q = idemp_consumer_name("%s.p%d", c->queue, i);
+        if (q == NULL)
+            return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+        rc = idemp_amqp_declare_queue(c->in, q, spec, false, err);
+        if (rc == IDEM_OK)
+            rc = idemp_amqp_bind(c->in, q, c->hash_exchange, "1", err);
+        free(q);
+    }
+    return rc;
+}
+
+/* With --no-declare: everything used must exist already. */
+static int check_topology(idem_consumer_t *c, idem_error_t *err)
+{
+    int rc = idemp_amqp_declare_exchange(c->in, c->exchange, "topic", NULL, true, err);
+    if (rc == IDEM_OK)
+        rc = idemp_amqp_declare_exchange(c->in, c->dlx, "direct", NULL, true, err);
+    if (rc == IDEM_OK)
+        rc = idemp_amqp_declare_queue(c->in, c->dlq, NULL, true, err);
+    for (int i = 0; rc == IDEM_OK && i < c->nqueues; i++)
+        rc = idemp_amqp_declare_queue(c->in, c->queues[i], NULL, true, err);
+    return rc;
+}
+
+int idemp_consumer_topology(idem_consumer_t *c, idem_error_t *err)
+{
+    int rc;
+    if (c->cfg.no_declare) {
+        rc = check_topology(c, err);
+    } else {
+        idemp_queue_spec_t dlq = {false, false, NULL, NULL};
+        idemp_queue_spec_t main = {true, c->cfg.partitions > 1, c->dlx, c->dlq};
+        rc = idemp_amqp_declare_exchange(c->in, c->exchange, "topic", NULL, false, err);
+        if (rc == IDEM_OK)
+            rc = idemp_amqp_declare_exchange(c->in, c->dlx, "direct", NULL, false, err);
+        if (rc == IDEM_OK)
+            rc = idemp_amqp_declare_queue(c->in, c->dlq, &dlq, false, err);
+        if (rc == IDEM_OK)
+            rc = idemp_amqp_bind(c->in, c->dlq, c->dlx, c->dlq, err);
+        if (rc == IDEM_OK && c->cfg.partitions == 1) {
+            rc = idemp_amqp_declare_queue(c->in, c->queue, &main, false, err);
+            if (rc == IDEM_OK)
+                rc = bind_keys(c, c->queue, false, err);
+        } else if (rc == IDEM_OK) {
+            rc = declare_partitions(c, &main, err);
+        }
+    }
+    if (rc == IDEM_OK)
+        rc = idemp_amqp_qos(c->in, c->cfg.prefetch, err);
+    for (int i = 0; rc == IDEM_OK && i < c->nqueues; i++)
+        rc = idemp_amqp_consume(c->in, c->queues[i], err);
+    return rc;
+}

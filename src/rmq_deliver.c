@@ -1,0 +1,341 @@
+/* rmq_deliver.c - deliveries: read frame by frame (the body size is known before the body is
+ * read), copied out of the connection's buffers, and mapped to envelope fields. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <jansson.h>
+
+#include <idem/log.h>
+
+#include "clock.h"
+#include "rmq_int.h"
+
+/* A content header and body frames follow their basic.deliver at once: a longer silence is a
+ * broken link (heartbeats keep a healthy one talking). */
+#define FRAME_WAIT_MS 30000
+
+/* ---- properties --------------------------------------------------------------------------- */
+
+static int dup_bytes(amqp_pool_t *pool, amqp_bytes_t src, amqp_bytes_t *dst)
+{
+    if (src.len == 0) {
+        *dst = amqp_empty_bytes;
+        return AMQP_STATUS_OK;
+    }
+    amqp_pool_alloc_bytes(pool, src.len, dst);
+    if (dst->bytes == NULL)
+        return AMQP_STATUS_NO_MEMORY;
+    memcpy(dst->bytes, src.bytes, src.len);
+    return AMQP_STATUS_OK;
+}
+
+/* Deep copy of decoded properties into pool (librabbitmq 0.11 does not export its own). */
+static int clone_props(const amqp_basic_properties_t *src, amqp_basic_properties_t *dst,
+                       amqp_pool_t *pool)
+{
+    *dst = *src;
+    int rc = AMQP_STATUS_OK;
+#define CLONE(flag, field)                                                                         \
+    if (rc == AMQP_STATUS_OK && (src->_flags & (flag)))                                            \
+    rc = dup_bytes(pool, src->field, &dst->field)
+    CLONE(AMQP_BASIC_CONTENT_TYPE_FLAG, content_type);
+    CLONE(AMQP_BASIC_CONTENT_ENCODING_FLAG, content_encoding);
+    CLONE(AMQP_BASIC_CORRELATION_ID_FLAG, correlation_id);
+    CLONE(AMQP_BASIC_REPLY_TO_FLAG, reply_to);
+    CLONE(AMQP_BASIC_EXPIRATION_FLAG, expiration);
+    CLONE(AMQP_BASIC_MESSAGE_ID_FLAG, message_id);
+    CLONE(AMQP_BASIC_TYPE_FLAG, type);
+    CLONE(AMQP_BASIC_USER_ID_FLAG, user_id);
+    CLONE(AMQP_BASIC_APP_ID_FLAG, app_id);
+    CLONE(AMQP_BASIC_CLUSTER_ID_FLAG, cluster_id);
+#undef CLONE
+    if (rc == AMQP_STATUS_OK && (src->_flags & AMQP_BASIC_HEADERS_FLAG))
+        rc = amqp_table_clone(&src->headers, &dst->headers, pool);
+    return rc;
+}
+
+static const amqp_field_value_t *header(const amqp_basic_properties_t *p, const char *name)
+{
+    if (!(p->_flags & AMQP_BASIC_HEADERS_FLAG))
+        return NULL;
+    size_t n = strlen(name);
+    for (int i = 0; i < p->headers.num_entries; i++) {
+        const amqp_table_entry_t *e = &p->headers.entries[i];
+        if (e->key.len == n && memcmp(e->key.bytes, name, n) == 0)
+            return &e->value;
+    }
+    return NULL;
+}
+
+static bool is_string(const amqp_field_value_t *v)
+{
+    return v->kind == AMQP_FIELD_KIND_UTF8 || v->kind == AMQP_FIELD_KIND_BYTES;
+}
+
+static idemp_str_t str_of(amqp_bytes_t b)
+{
+    return (idemp_str_t){b.bytes, b.len};
+}
+
+static idemp_str_t header_str(const amqp_basic_properties_t *p, const char *name, bool *bad)
+{
+    const amqp_field_value_t *v = header(p, name);
+    if (bad != NULL)
+        *bad = v != NULL && !is_string(v);
+    if (v == NULL || !is_string(v))
+        return (idemp_str_t){NULL, 0};
+    return str_of(v->value.bytes);
+}
+
+static bool header_int(const amqp_basic_properties_t *p, const char *name, int64_t *out)
+{
+    const amqp_field_value_t *v = header(p, name);
+    if (v == NULL)
+        return false;
+    switch (v->kind) {
+    case AMQP_FIELD_KIND_I8:
+        *out = v->value.i8;
+        return true;
+    case AMQP_FIELD_KIND_U8:
+        *out = v->value.u8;
+        return true;
+    case AMQP_FIELD_KIND_I16:
+        *out = v->value.i16;
+        return true;
+    case AMQP_FIELD_KIND_U16:
+        *out = v->value.u16;
+        return true;
+    case AMQP_FIELD_KIND_I32:
+        *out = v->value.i32;
+        return true;
+    case AMQP_FIELD_KIND_U32:
+        *out = v->value.u32;
+        return true;
+    case AMQP_FIELD_KIND_I64:
+        *out = v->value.i64;
+        return true;
+    case AMQP_FIELD_KIND_U64:
+        if (v->value.u64 > (uint64_t)INT64_MAX)
+            return false;
+        *out = (int64_t)v->value.u64;
+        return true;
+    default:
+        return false;
+    }
+}
+
+/* ---- deliveries ---------------------------------------------------------------------------- */
+
+void idemp_msg_free(idemp_msg_t *m)
+{
+    if (m == NULL)
+        return;
+    amqp_bytes_free(m->body);
+    empty_amqp_pool(&m->pool);
+    free(m);
+}
+
+uint64_t idemp_msg_tag(const idemp_msg_t *m)
+{
+    return m->tag;
+}
+
+bool idemp_msg_oversized(const idemp_msg_t *m)
+{
+    return m->oversized;
+}
+
+uint64_t idemp_msg_body_size(const idemp_msg_t *m)
+{
+    return m->body_size;
+}
+
+void idemp_msg_envelope_in(const idemp_msg_t *m, idemp_envelope_in_t *in)
+{
+    const amqp_basic_properties_t *p = &m->props;
+    memset(in, 0, sizeof *in);
+    if (p->_flags & AMQP_BASIC_MESSAGE_ID_FLAG)
+        in->message_id = str_of(p->message_id);
+    in->hdr_event_id = header_str(p, "event_id", &in->hdr_event_id_bad_kind);
+    if (p->_flags & AMQP_BASIC_TYPE_FLAG)
+        in->type = str_of(p->type);
+    in->hdr_event_type = header_str(p, "event_type", NULL);
+    in->routing_key = str_of(m->routing_key);
+    in->hdr_subscription_id = header_str(p, "subscription_id", NULL);
+    in->has_seq = header_int(p, "x-idem-seq", &in->seq);
+    if (p->_flags & AMQP_BASIC_TIMESTAMP_FLAG) {
+        in->has_timestamp = true;
+        in->timestamp = p->timestamp;
+    }
+    in->body = m->oversized ? NULL : (m->body.bytes ? (const char *)m->body.bytes : "");
+    in->body_len = m->oversized ? 0 : m->body.len;
+    in->body_size = m->body_size;
+}
+
+const char *idemp_msg_header(const idemp_msg_t *m, const char *name, size_t *len)
+{
+    idemp_str_t s = header_str(&m->props, name, NULL);
+    if (len != NULL)
+        *len = s.len;
+    return s.ptr;
+}
+
+char *idemp_msg_headers_json(const idemp_msg_t *m)
+{
+    json_t *o = json_object();
+    if (o == NULL)
+        return NULL;
+    const amqp_basic_properties_t *p = &m->props;
+    if (p->_flags & AMQP_BASIC_HEADERS_FLAG) {
+        for (int i = 0; i < p->headers.num_entries; i++) {
+            const amqp_table_entry_t *e = &p->headers.entries[i];
+            if (!is_string(&e->value))
+                continue;
+            json_t *v = json_stringn(e->value.value.bytes.bytes, e->value.value.bytes.len);
+            if (v == NULL)
+                continue; /* not UTF-8: not representable as a JSON string */
+            char key[256];
+            snprintf(key, sizeof key, "%.*s", (int)e->key.len, (const char *)e->key.bytes);
+            if (strlen(key) != e->key.len || json_object_set_new(o, key, v) != 0)
+                json_decref(v);
+        }
+    }
+    char *s = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    return s;
+}
+
+/* The next frame of the message being read: a content header or body frame on our channel.
+ * A close is answered; anything else breaks the protocol. */
+int idemp_amqp_content_frame(idemp_amqp_t *a, int want, amqp_frame_t *f, idem_error_t *err)
+{
+    int rc = idemp_amqp_wait_frame(a, f, FRAME_WAIT_MS, err);
+    if (rc == IDEM_ERR_TIMEOUT)
+        return idemp_amqp_lost(a, AMQP_STATUS_TIMEOUT, "reading a message", err);
+    if (rc != IDEM_OK)
+        return rc;
+    if (f->frame_type == want && f->channel == IDEMP_CHANNEL)
+        return IDEM_OK;
+    if (f->frame_type == AMQP_FRAME_METHOD &&
+        (f->payload.method.id == AMQP_CHANNEL_CLOSE_METHOD ||
+         f->payload.method.id == AMQP_CONNECTION_CLOSE_METHOD))
+        return idemp_amqp_on_close(a, f, err);
+    return idemp_amqp_lost(a, AMQP_STATUS_UNEXPECTED_STATE, "reading a message", err);
+}
+
+/* Reads and drops what is left of an unread body. */
+static int skip_body(idemp_amqp_t *a, idem_error_t *err)
+{
+    while (a->body_left > 0) {
+        amqp_frame_t f;
+        int rc = idemp_amqp_content_frame(a, AMQP_FRAME_BODY, &f, err);
+        if (rc != IDEM_OK)
+            return rc;
+        size_t len = f.payload.body_fragment.len;
+        a->body_left = len >= a->body_left ? 0 : a->body_left - len;
+        amqp_maybe_release_buffers_on_channel(a->conn, IDEMP_CHANNEL);
+    }
+    return IDEM_OK;
+}
+
+static int read_delivery(idemp_amqp_t *a, const amqp_frame_t *method, int64_t max_body,
+                         idemp_msg_t **out, idem_error_t *err)
+{
+    const amqp_basic_deliver_t *d = method->payload.method.decoded;
+    idemp_msg_t *m = calloc(1, sizeof *m);
+    if (m == NULL)
+        return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory reading a delivery");
+    init_amqp_pool(&m->pool, 4096);
+    m->tag = d->delivery_tag;
+    m->redelivered = d->redelivered;
+    int rc = dup_bytes(&m->pool, d->exchange, &m->exchange);
+    if (rc == AMQP_STATUS_OK)
+        rc = dup_bytes(&m->pool, d->routing_key, &m->routing_key);
+    amqp_frame_t f;
+    int st =
+        rc == AMQP_STATUS_OK ? idemp_amqp_content_frame(a, AMQP_FRAME_HEADER, &f, err) : IDEM_OK;
+    if (rc == AMQP_STATUS_OK && st == IDEM_OK)
+        rc = clone_props(f.payload.properties.decoded, &m->props, &m->pool);
+    if (rc != AMQP_STATUS_OK) {
+        idemp_msg_free(m);
+        /* the rest of the message is still on the wire: only a new connection gets past it */
+        a->connected = false;
+        return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory reading a delivery");
+    }
+    if (st != IDEM_OK) {
+        idemp_msg_free(m);
+        return st;
+    }
+    m->body_size = f.payload.properties.body_size;
+    if (m->body_size > (uint64_t)max_body) {
+        m->oversized = true;
+        a->body_left = m->body_size;
+        *out = m;
+        return IDEM_OK;
+    }
+    if (m->body_size > 0) {
+        m->body = amqp_bytes_malloc((size_t)m->body_size);
+        if (m->body.bytes == NULL) {
+            a->body_left = m->body_size;
+            idemp_msg_free(m);
+            a->connected = false;
+            return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory reading a delivery");
+        }
+    }
+    size_t got = 0;
+    while (got < m->body.len) {
+        st = idemp_amqp_content_frame(a, AMQP_FRAME_BODY, &f, err);
+        if (st == IDEM_OK && got + f.payload.body_fragment.len > m->body.len)
+            st = idemp_amqp_lost(a, AMQP_STATUS_BAD_AMQP_DATA, "reading a message", err);
+        if (st != IDEM_OK) {
+            idemp_msg_free(m);
+            return st;
+        }
+        memcpy((char *)m->body.bytes + got, f.payload.body_fragment.bytes,
+               f.payload.body_fragment.len);
+        got += f.payload.body_fragment.len;
+    }
+    *out = m;
+    return IDEM_OK;
+}
+
+int idemp_amqp_next(idemp_amqp_t *a, int64_t max_body, int64_t timeout_ms, idemp_msg_t **out,
+                    idem_error_t *err)
+{
+    *out = NULL;
+    if (!a->connected)
+        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s", a->where);
+    int rc = skip_body(a, err);
+    if (rc != IDEM_OK)
+        return rc;
+    amqp_maybe_release_buffers(a->conn);
+    int64_t deadline = idemp_now_ms() + (timeout_ms > 0 ? timeout_ms : 0);
+    for (;;) {
+        amqp_frame_t f;
+        rc = idemp_amqp_wait_frame(a, &f, deadline - idemp_now_ms(), err);
+        if (rc != IDEM_OK)
+            return rc;
+        if (f.frame_type != AMQP_FRAME_METHOD)
+            return idemp_amqp_lost(a, AMQP_STATUS_UNEXPECTED_STATE, "basic.deliver", err);
+        switch (f.payload.method.id) {
+        case AMQP_BASIC_DELIVER_METHOD:
+            return read_delivery(a, &f, max_body, out, err);
+        case AMQP_CHANNEL_CLOSE_METHOD:
+        case AMQP_CONNECTION_CLOSE_METHOD:
+            return idemp_amqp_on_close(a, &f, err);
+        case AMQP_BASIC_CANCEL_METHOD:
+            a->connected = false;
+            return idem_error_set(err, IDEM_ERR_AMQP,
+                                  "the broker cancelled the consumer (queue deleted?)");
+        case AMQP_CONNECTION_BLOCKED_METHOD: {
+            const char *kv[] = {"server", a->where, NULL};
+            idem_log(IDEM_LOG_WARN, a->component, kv,
+                     "RabbitMQ blocked this connection (a resource alarm)");
+            break;
+        }
+        default:
+            break; /* a stray confirm or an unblock: nothing to do */
+        }
+    }
+}
