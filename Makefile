@@ -59,6 +59,7 @@ LIB_SRCS := \
 	src/retain.c \
 	src/status.c \
 	src/replay.c \
+	src/dlq.c \
 	src/metrics.c
 
 HANDLER_SRCS := \
@@ -75,7 +76,8 @@ CLI_SRCS := \
 	src/cli/cmd_consume.c \
 	src/cli/cmd_relay.c \
 	src/cli/cmd_emit.c \
-	src/cli/cmd_ops.c
+	src/cli/cmd_ops.c \
+	src/cli/cmd_dlq.c
 
 UNIT_TESTS := \
 	tests/unit/test_duration \

@@ -119,6 +119,20 @@ char *idemp_msg_headers_json(const idemp_msg_t *m);
 
 int idemp_amqp_ack(idemp_amqp_t *a, uint64_t tag, bool multiple, idem_error_t *err);
 
+/* basic.get (acked later with idemp_amqp_ack, or given back when the connection closes):
+ * IDEM_ERR_NOT_FOUND when the queue is empty; *out is new (idemp_msg_free). */
+int idemp_amqp_get(idemp_amqp_t *a, const char *queue, int64_t max_body, idemp_msg_t **out,
+                   idem_error_t *err);
+/* Messages ready in queue (a passive declare). IDEM_ERR_NOT_FOUND when it does not exist. */
+int idemp_amqp_queue_depth(idemp_amqp_t *a, const char *queue, uint32_t *messages,
+                           idem_error_t *err);
+bool idemp_msg_header_int(const idemp_msg_t *m, const char *name, int64_t *out);
+bool idemp_msg_timestamp(const idemp_msg_t *m, uint64_t *out);
+/* Publishes m again through exchange/routing_key (persistent, mandatory, confirmed): without
+ * x-idem-error, with x-idem-requeued counting the moves. */
+int idemp_amqp_requeue(idemp_amqp_t *out, const idemp_msg_t *m, const char *exchange,
+                       const char *routing_key, int64_t timeout_ms, idem_error_t *err);
+
 /* Publishes the dead-letter copy of m through exchange/routing_key on out and waits for the
  * broker's confirm: the original body, properties and headers plus x-idem-error = reason, made
  * persistent, without expiration and user_id (kept as x-idem-original-expiration and

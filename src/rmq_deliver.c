@@ -239,19 +239,22 @@ static int skip_body(idemp_amqp_t *a, idem_error_t *err)
     return IDEM_OK;
 }
 
-static int read_delivery(idemp_amqp_t *a, const amqp_frame_t *method, int64_t max_body,
-                         idemp_msg_t **out, idem_error_t *err)
+/* Reads the content of a message whose method (deliver or get-ok) was just read. */
+static int read_message(idemp_amqp_t *a, uint64_t tag, bool redelivered, amqp_bytes_t exchange,
+                        amqp_bytes_t routing_key, int64_t max_body, idemp_msg_t **out,
+                        idem_error_t *err)
 {
-    const amqp_basic_deliver_t *d = method->payload.method.decoded;
     idemp_msg_t *m = calloc(1, sizeof *m);
-    if (m == NULL)
+    if (m == NULL) {
+        a->connected = false; /* the content is still on the wire */
         return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory reading a delivery");
+    }
     init_amqp_pool(&m->pool, 4096);
-    m->tag = d->delivery_tag;
-    m->redelivered = d->redelivered;
-    int rc = dup_bytes(&m->pool, d->exchange, &m->exchange);
+    m->tag = tag;
+    m->redelivered = redelivered;
+    int rc = dup_bytes(&m->pool, exchange, &m->exchange);
     if (rc == AMQP_STATUS_OK)
-        rc = dup_bytes(&m->pool, d->routing_key, &m->routing_key);
+        rc = dup_bytes(&m->pool, routing_key, &m->routing_key);
     amqp_frame_t f;
     int st =
         rc == AMQP_STATUS_OK ? idemp_amqp_content_frame(a, AMQP_FRAME_HEADER, &f, err) : IDEM_OK;
@@ -319,8 +322,11 @@ int idemp_amqp_next(idemp_amqp_t *a, int64_t max_body, int64_t timeout_ms, idemp
         if (f.frame_type != AMQP_FRAME_METHOD)
             return idemp_amqp_lost(a, AMQP_STATUS_UNEXPECTED_STATE, "basic.deliver", err);
         switch (f.payload.method.id) {
-        case AMQP_BASIC_DELIVER_METHOD:
-            return read_delivery(a, &f, max_body, out, err);
+        case AMQP_BASIC_DELIVER_METHOD: {
+            const amqp_basic_deliver_t *d = f.payload.method.decoded;
+            return read_message(a, d->delivery_tag, d->redelivered, d->exchange, d->routing_key,
+                                max_body, out, err);
+        }
         case AMQP_CHANNEL_CLOSE_METHOD:
         case AMQP_CONNECTION_CLOSE_METHOD:
             return idemp_amqp_on_close(a, &f, err);
@@ -338,4 +344,39 @@ int idemp_amqp_next(idemp_amqp_t *a, int64_t max_body, int64_t timeout_ms, idemp
             break; /* a stray confirm or an unblock: nothing to do */
         }
     }
+}
+
+int idemp_amqp_get(idemp_amqp_t *a, const char *queue, int64_t max_body, idemp_msg_t **out,
+                   idem_error_t *err)
+{
+    *out = NULL;
+    if (!a->connected)
+        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s", a->where);
+    amqp_basic_get_t g;
+    memset(&g, 0, sizeof g);
+    g.queue = amqp_cstring_bytes(queue);
+    g.no_ack = 0;
+    amqp_method_number_t replies[] = {AMQP_BASIC_GET_OK_METHOD, AMQP_BASIC_GET_EMPTY_METHOD, 0};
+    amqp_rpc_reply_t r =
+        amqp_simple_rpc(a->conn, IDEMP_CHANNEL, AMQP_BASIC_GET_METHOD, replies, &g);
+    if (r.reply_type != AMQP_RESPONSE_NORMAL)
+        return idemp_amqp_check_rpc(a, r, "basic.get", err);
+    if (r.reply.id == AMQP_BASIC_GET_EMPTY_METHOD)
+        return IDEM_ERR_NOT_FOUND;
+    const amqp_basic_get_ok_t *ok = r.reply.decoded;
+    return read_message(a, ok->delivery_tag, ok->redelivered, ok->exchange, ok->routing_key,
+                        max_body, out, err);
+}
+
+bool idemp_msg_header_int(const idemp_msg_t *m, const char *name, int64_t *out)
+{
+    return header_int(&m->props, name, out);
+}
+
+bool idemp_msg_timestamp(const idemp_msg_t *m, uint64_t *out)
+{
+    if (!(m->props._flags & AMQP_BASIC_TIMESTAMP_FLAG))
+        return false;
+    *out = m->props.timestamp;
+    return true;
 }

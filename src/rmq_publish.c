@@ -294,3 +294,47 @@ int idemp_amqp_publish_event(idemp_amqp_t *a, const char *exchange, const idemp_
     json_decref(extra);
     return rc;
 }
+
+int idemp_amqp_requeue(idemp_amqp_t *out, const idemp_msg_t *m, const char *exchange,
+                       const char *routing_key, int64_t timeout_ms, idem_error_t *err)
+{
+    if (!out->connected)
+        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s",
+                              out->where);
+    amqp_basic_properties_t p = m->props;
+    int old = (p._flags & AMQP_BASIC_HEADERS_FLAG) ? p.headers.num_entries : 0;
+    amqp_table_entry_t *entries = calloc((size_t)old + 1, sizeof *entries);
+    if (entries == NULL)
+        return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+    int64_t moves = 0;
+    int n = 0;
+    for (int i = 0; i < old; i++) {
+        amqp_table_entry_t *e = &m->props.headers.entries[i];
+        if (key_is(e, "x-idem-requeued")) {
+            if (e->value.kind == AMQP_FIELD_KIND_I64)
+                moves = e->value.value.i64;
+            else if (e->value.kind == AMQP_FIELD_KIND_I32)
+                moves = e->value.value.i32;
+            continue;
+        }
+        if (key_is(e, "x-idem-error") || key_is(e, "x-idem-dropped-headers"))
+            continue;
+        entries[n++] = *e;
+    }
+    entries[n].key = amqp_cstring_bytes("x-idem-requeued");
+    entries[n].value.kind = AMQP_FIELD_KIND_I64;
+    entries[n].value.value.i64 = moves + 1;
+    n++;
+    p.headers.entries = entries;
+    p.headers.num_entries = n;
+    p._flags |= AMQP_BASIC_HEADERS_FLAG | AMQP_BASIC_DELIVERY_MODE_FLAG;
+    p.delivery_mode = 2;
+    int st = amqp_basic_publish(out->conn, IDEMP_CHANNEL, amqp_cstring_bytes(exchange),
+                                amqp_cstring_bytes(routing_key), 1, 0, &p, m->body);
+    free(entries);
+    if (st != AMQP_STATUS_OK)
+        return idemp_amqp_lost(out, st, "basic.publish", err);
+    uint64_t tag;
+    idemp_amqp_published(out, &tag);
+    return idemp_amqp_confirm_one(out, tag, timeout_ms, err);
+}

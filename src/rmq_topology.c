@@ -143,3 +143,25 @@ int idemp_amqp_consume(idemp_amqp_t *a, const char *queue, idem_error_t *err)
                        amqp_empty_table);
     return idemp_amqp_check_rpc(a, amqp_get_rpc_reply(a->conn), "basic.consume", err);
 }
+
+int idemp_amqp_queue_depth(idemp_amqp_t *a, const char *queue, uint32_t *messages,
+                           idem_error_t *err)
+{
+    if (!a->connected)
+        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s", a->where);
+    amqp_queue_declare_ok_t *ok = amqp_queue_declare(
+        a->conn, IDEMP_CHANNEL, amqp_cstring_bytes(queue), 1, 1, 0, 0, amqp_empty_table);
+    if (ok != NULL) {
+        *messages = ok->message_count; /* copied before the next call reuses the pool */
+        return IDEM_OK;
+    }
+    idem_error_t ee = {0};
+    int rc = idemp_amqp_check_rpc(a, amqp_get_rpc_reply(a->conn), "queue.declare", &ee);
+    if (a->close_code == AMQP_NOT_FOUND) {
+        int rc2 = reopen_channel(a, err);
+        return rc2 == IDEM_OK ? passive_result(a, rc, queue, err, &ee) : rc2;
+    }
+    if (err != NULL && err->code == 0)
+        *err = ee;
+    return rc;
+}

@@ -66,6 +66,30 @@ int idem_failed_list(PGconn *conn, json_t **out, idem_error_t *err);
 int idem_replay(PGconn *conn, const char *event_id, int64_t dedup_window_ms, int *replayed,
                 idem_error_t *err);
 
+/* ---- a consumer's dead-letter queue (QUEUE.dlq) ---- */
+
+typedef struct idem_dlq_config {
+    const char *amqp_url;      /* one URL or a comma-separated list */
+    const char *amqp_password; /* overrides the URL's when set */
+    const char *queue;         /* the consumer's queue; its DLQ is QUEUE.dlq */
+    int limit;                 /* list: at most this many (default 100) */
+    const char *event_id;      /* requeue: only this event (NULL = all) */
+    const char *code;          /* requeue: only this dead-letter code (NULL = any) */
+    int heartbeat_s;           /* 0 (default) = off */
+} idem_dlq_config_t;
+
+void idem_dlq_config_init(idem_dlq_config_t *cfg);
+
+/* The first cfg->limit messages of QUEUE.dlq, oldest first, as a JSON array of objects
+ * {event_id, event_type, code, detail, age_seconds, requeued} (new reference in *out); nothing is
+ * taken off the queue. IDEM_ERR_AMQP_CONNECT, IDEM_ERR_NOT_FOUND (no such DLQ), IDEM_ERR_AMQP. */
+int idem_dlq_list(const idem_dlq_config_t *cfg, json_t **out, idem_error_t *err);
+
+/* Moves the selected messages of QUEUE.dlq back to QUEUE (or a partitioned group's QUEUE.hash):
+ * each publish is confirmed before its DLQ copy is acked; x-idem-error is removed and
+ * x-idem-requeued counts the moves. *moved receives how many moved (also on failure). */
+int idem_dlq_requeue(const idem_dlq_config_t *cfg, int *moved, idem_error_t *err);
+
 #ifdef __cplusplus
 }
 #endif

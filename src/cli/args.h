@@ -82,5 +82,6 @@ int cmd_status(int argc, char **argv, cli_global_t *g);
 int cmd_failed(int argc, char **argv, cli_global_t *g);
 int cmd_replay(int argc, char **argv, cli_global_t *g);
 int cmd_retain(int argc, char **argv, cli_global_t *g);
+int cmd_dlq(int argc, char **argv, cli_global_t *g);
 
 #endif

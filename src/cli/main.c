@@ -22,6 +22,7 @@ static const command_t commands[] = {
     {"failed", cmd_failed, "list failed (parked) outbox rows"},
     {"replay", cmd_replay, "return failed rows to pending"},
     {"retain", cmd_retain, "delete old sent outbox rows and old ledger rows in batches"},
+    {"dlq", cmd_dlq, "list or requeue a consumer's dead-lettered messages (dlq list|requeue)"},
     {NULL, NULL, NULL},
 };
 
@@ -41,6 +42,9 @@ static void usage(FILE *f)
                "amqp://guest:guest@127.0.0.1:5672)\n"
                "  --exchange NAME        topic exchange (env IDEM_EXCHANGE; default "
                "billing.events)\n"
+               "  --amqp-password-file PATH\n"
+               "                         RabbitMQ password, one line (env "
+               "IDEM_AMQP_PASSWORD_FILE; overrides the URL's)\n"
                "  --log-level LEVEL      debug|info|warn|error (default info)\n"
                "  --log-format FORMAT    text|json (default text)\n"
                "\n  --version              print 'idem VERSION' and exit\n"
@@ -51,8 +55,8 @@ static void usage(FILE *f)
 
 static int takes_value(const char *arg)
 {
-    static const char *const with_value[] = {"--pg", "--amqp", "--exchange", "--log-level",
-                                             "--log-format"};
+    static const char *const with_value[] = {"--pg",        "--amqp",       "--exchange",
+                                             "--log-level", "--log-format", "--amqp-password-file"};
     for (size_t i = 0; i < sizeof with_value / sizeof with_value[0]; i++)
         if (strcmp(arg, with_value[i]) == 0)
             return 1;

@@ -1,0 +1,226 @@
+/* dlq.c - the dead-letter queue of a consumer: list what is in QUEUE.dlq without taking it, and
+ * move chosen messages back to the consumer's queue (each publish confirmed before its DLQ copy
+ * is acked, so a crash in between leaves a copy in both places, never in neither; the ledger
+ * absorbs the extra one). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <idem/ops.h>
+
+#include "clock.h"
+#include "envelope.h"
+#include "rmq.h"
+#include "uuid.h"
+
+#define BODY_MAX (512LL << 20) /* larger than any message RabbitMQ accepts */
+#define CONFIRM_TIMEOUT_MS 30000
+
+static char *dlq_name(const char *queue)
+{
+    size_t n = strlen(queue) + 5;
+    char *s = malloc(n);
+    if (s != NULL)
+        snprintf(s, n, "%s.dlq", queue);
+    return s;
+}
+
+static json_t *strn_or_null(idemp_str_t s)
+{
+    return s.ptr != NULL ? json_stringn_nocheck(s.ptr, s.len) : json_null();
+}
+
+/* One DLQ message as a JSON object: event_id, event_type, code, detail, age_seconds, requeued. */
+static json_t *describe(const idemp_msg_t *m, int64_t now_ms)
+{
+    idemp_envelope_in_t in;
+    idemp_msg_envelope_in(m, &in);
+    idemp_str_t id = in.message_id.ptr ? in.message_id : in.hdr_event_id;
+    idemp_str_t type = in.type.ptr ? in.type : in.hdr_event_type;
+    size_t elen = 0;
+    const char *e = idemp_msg_header(m, "x-idem-error", &elen);
+    const char *colon = e ? memchr(e, ':', elen) : NULL;
+    json_t *o = json_object();
+    if (o == NULL)
+        return NULL;
+    json_object_set_new(o, "event_id", strn_or_null(id));
+    json_object_set_new(o, "event_type", strn_or_null(type));
+    if (colon != NULL) {
+        const char *d = colon + 1;
+        while (d < e + elen && *d == ' ')
+            d++;
+        json_object_set_new(o, "code", json_stringn_nocheck(e, (size_t)(colon - e)));
+        json_object_set_new(o, "detail", json_stringn_nocheck(d, (size_t)(e + elen - d)));
+    } else {
+        json_object_set_new(o, "code", e ? json_stringn_nocheck(e, elen) : json_null());
+        json_object_set_new(o, "detail", json_null());
+    }
+    uint64_t ts;
+    int64_t secs;
+    if (idemp_msg_timestamp(m, &ts) && idemp_envelope_timestamp(ts, now_ms, &secs))
+        json_object_set_new(o, "age_seconds", json_integer(now_ms / 1000 - secs));
+    else
+        json_object_set_new(o, "age_seconds", json_null());
+    int64_t moves = 0;
+    idemp_msg_header_int(m, "x-idem-requeued", &moves);
+    json_object_set_new(o, "requeued", json_integer(moves));
+    return o;
+}
+
+static idemp_amqp_t *connect_to(const idem_dlq_config_t *cfg, bool confirms, idem_error_t *err)
+{
+    idemp_amqp_t *a = idemp_amqp_new(cfg->amqp_url, "dlq", cfg->heartbeat_s, err);
+    if (a == NULL)
+        return NULL;
+    if ((cfg->amqp_password != NULL && idemp_amqp_set_password(a, cfg->amqp_password) != 0) ||
+        idemp_amqp_connect(a, confirms, err) != IDEM_OK) {
+        if (err != NULL && err->code == 0)
+            idem_error_set(err, IDEM_ERR_INVALID, "the AMQP password is too long");
+        idemp_amqp_free(a);
+        return NULL;
+    }
+    return a;
+}
+
+void idem_dlq_config_init(idem_dlq_config_t *cfg)
+{
+    memset(cfg, 0, sizeof *cfg);
+    cfg->limit = 100;
+    cfg->heartbeat_s = 0;
+}
+
+int idem_dlq_list(const idem_dlq_config_t *cfg, json_t **out, idem_error_t *err)
+{
+    *out = NULL;
+    char *dlq = dlq_name(cfg->queue);
+    json_t *list = json_array();
+    if (dlq == NULL || list == NULL) {
+        free(dlq);
+        json_decref(list);
+        return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+    }
+    idemp_amqp_t *a = connect_to(cfg, false, err);
+    int rc = a ? IDEM_OK : err->code;
+    uint32_t depth = 0;
+    if (rc == IDEM_OK)
+        rc = idemp_amqp_queue_depth(a, dlq, &depth, err);
+    int64_t now = idemp_wall_ms();
+    /* nothing is acked: closing the channel gives every message back, in its place */
+    for (int i = 0; rc == IDEM_OK && i < cfg->limit && (uint32_t)i < depth; i++) {
+        idemp_msg_t *m = NULL;
+        rc = idemp_amqp_get(a, dlq, BODY_MAX, &m, err);
+        if (rc == IDEM_ERR_NOT_FOUND) {
+            rc = IDEM_OK;
+            break;
+        }
+        if (rc == IDEM_OK) {
+            json_t *o = describe(m, now);
+            if (o == NULL || json_array_append_new(list, o) != 0)
+                rc = idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+        }
+        idemp_msg_free(m);
+    }
+    if (a != NULL)
+        idemp_amqp_disconnect(a, NULL);
+    idemp_amqp_free(a);
+    free(dlq);
+    if (rc != IDEM_OK) {
+        json_decref(list);
+        return rc;
+    }
+    *out = list;
+    return IDEM_OK;
+}
+
+/* Does m match the selection? */
+static bool selected(const idem_dlq_config_t *cfg, const idemp_msg_t *m)
+{
+    if (cfg->code != NULL) {
+        size_t elen = 0, cl = strlen(cfg->code);
+        const char *e = idemp_msg_header(m, "x-idem-error", &elen);
+        if (e == NULL || elen <= cl || memcmp(e, cfg->code, cl) != 0 || e[cl] != ':')
+            return false;
+    }
+    if (cfg->event_id == NULL)
+        return true;
+    idemp_envelope_in_t in;
+    idemp_msg_envelope_in(m, &in);
+    idemp_str_t id = in.message_id.ptr ? in.message_id : in.hdr_event_id;
+    char a[37], b[37];
+    return id.ptr != NULL && idemp_uuid_normalize(id.ptr, id.len, a) &&
+           idemp_uuid_normalize(cfg->event_id, strlen(cfg->event_id), b) && strcmp(a, b) == 0;
+}
+
+/* Where a requeued message goes: the consumer's queue through the default exchange, or a
+ * partitioned group's hash exchange (which picks the partition of its subscription). */
+static int target(idemp_amqp_t *a, const char *queue, char **exchange, const char **key,
+                  idem_error_t *err)
+{
+    uint32_t depth;
+    idem_error_t e = {0};
+    int rc = idemp_amqp_queue_depth(a, queue, &depth, &e);
+    if (rc == IDEM_OK) {
+        *exchange = strdup("");
+        *key = queue;
+        return *exchange ? IDEM_OK : idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+    }
+    if (rc != IDEM_ERR_NOT_FOUND) {
+        *err = e;
+        return rc;
+    }
+    size_t n = strlen(queue) + 6;
+    *exchange = malloc(n);
+    if (*exchange == NULL)
+        return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+    snprintf(*exchange, n, "%s.hash", queue);
+    *key = "";
+    rc = idemp_amqp_declare_exchange(a, *exchange, "x-consistent-hash", NULL, true, &e);
+    if (rc == IDEM_ERR_NOT_FOUND)
+        return idem_error_set(err, rc, "neither queue %s nor exchange %s exists", queue, *exchange);
+    if (rc != IDEM_OK)
+        *err = e;
+    return rc;
+}
+
+int idem_dlq_requeue(const idem_dlq_config_t *cfg, int *moved, idem_error_t *err)
+{
+    *moved = 0;
+    char *dlq = dlq_name(cfg->queue), *exchange = NULL;
+    const char *key = NULL;
+    if (dlq == NULL)
+        return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+    idemp_amqp_t *in = connect_to(cfg, false, err);
+    idemp_amqp_t *out = in ? connect_to(cfg, true, err) : NULL;
+    int rc = out ? IDEM_OK : err->code;
+    uint32_t depth = 0;
+    if (rc == IDEM_OK)
+        rc = idemp_amqp_queue_depth(in, dlq, &depth, err);
+    if (rc == IDEM_OK)
+        rc = target(out, cfg->queue, &exchange, &key, err);
+    /* each message at most once: the ones left are held unacked until the end */
+    for (uint32_t i = 0; rc == IDEM_OK && i < depth; i++) {
+        idemp_msg_t *m = NULL;
+        rc = idemp_amqp_get(in, dlq, BODY_MAX, &m, err);
+        if (rc == IDEM_ERR_NOT_FOUND) {
+            rc = IDEM_OK;
+            break;
+        }
+        if (rc == IDEM_OK && selected(cfg, m)) {
+            rc = idemp_amqp_requeue(out, m, exchange, key, CONFIRM_TIMEOUT_MS, err);
+            if (rc == IDEM_OK)
+                rc = idemp_amqp_ack(in, idemp_msg_tag(m), false, err);
+            if (rc == IDEM_OK)
+                (*moved)++;
+        }
+        idemp_msg_free(m);
+    }
+    if (in != NULL)
+        idemp_amqp_disconnect(in, NULL); /* gives back what was not moved */
+    if (out != NULL)
+        idemp_amqp_disconnect(out, NULL);
+    idemp_amqp_free(in);
+    idemp_amqp_free(out);
+    free(exchange);
+    free(dlq);
+    return rc;
+}
