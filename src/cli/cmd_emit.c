@@ -8,16 +8,20 @@
 
 int cmd_emit(int argc, char **argv, cli_global_t *g)
 {
-    const char *type = NULL, *sub = NULL, *key = NULL, *payload = NULL;
+    const char *type = NULL, *sub = NULL, *key = NULL, *payload = NULL, *headers = NULL;
     const cli_opt_t opts[] = {
         {"--type", OPT_STRING, &type, "TYPE", NULL, "event type (required)", 0, 0},
         {"--subscription", OPT_STRING, &sub, "UUID", NULL, "subscription id (required)", 0, 0},
         {"--key", OPT_STRING, &key, "DEDUP_KEY", NULL,
          "dedup key; the event id is md5(key)::uuid (required)", 0, 0},
         {"--payload", OPT_STRING, &payload, "JSON", NULL, "JSON object (required)", 0, 0},
+        {"--headers", OPT_STRING, &headers, "JSON", NULL,
+         "message headers, a JSON object of strings (e.g. {\"traceparent\": \"...\"})", 0, 0},
         {0},
     };
-    int rc = cli_parse("emit", "--type TYPE --subscription UUID --key DEDUP_KEY --payload JSON",
+    int rc = cli_parse("emit",
+                       "--type TYPE --subscription UUID --key DEDUP_KEY --payload JSON "
+                       "[--headers JSON]",
                        argc, argv, opts, g);
     if (rc != 0)
         return rc == CLI_HELP_SHOWN ? CLI_EXIT_OK : rc;
@@ -39,20 +43,32 @@ int cmd_emit(int argc, char **argv, cli_global_t *g)
         return cli_usage_error("emit", "--payload must be a JSON object");
     }
 
+    json_t *hdr = NULL;
+    if (headers != NULL) {
+        hdr = json_loads(headers, 0, &jerr);
+        if (hdr == NULL || !json_is_object(hdr)) {
+            json_decref(doc);
+            json_decref(hdr);
+            return cli_usage_error("emit", "--headers must be a JSON object");
+        }
+    }
+
     idem_error_t err = {0};
     PGconn *conn = idemp_pg_connect_once(g->pg, &err);
     if (conn == NULL) {
         json_decref(doc);
+        json_decref(hdr);
         fprintf(stderr, "idem emit: %s\n", err.text);
         return CLI_EXIT_FAIL;
     }
     char id[IDEM_UUID_LEN + 1];
     rc = idemp_pgconn_exec(conn, "BEGIN", 0, NULL, NULL, &err);
     if (rc == IDEM_OK)
-        rc = idem_emit(conn, type, sub_norm, key, doc, id, &err);
+        rc = idem_emit_with_headers(conn, type, sub_norm, key, doc, hdr, id, &err);
     if (rc == IDEM_OK)
         rc = idemp_pgconn_exec(conn, "COMMIT", 0, NULL, NULL, &err);
     json_decref(doc);
+    json_decref(hdr);
     idemp_pgconn_close(conn);
     if (rc != IDEM_OK) {
         fprintf(stderr, "idem emit: %s\n", err.text);
