@@ -98,7 +98,6 @@ HANDLER_OBJS := $(HANDLER_SRCS:%.c=$(BUILD)/%.o)
 CLI_OBJS := $(CLI_SRCS:%.c=$(BUILD)/%.o)
 UNIT_BINS := $(UNIT_TESTS:%=$(BUILD)/%)
 
-
 .PHONY: all test check unit integration sanitize bench demo install valgrind format format-check clean deps
 
 all: $(BUILD)/idem $(BUILD)/libidem.a $(BUILD)/libidem.so $(BUILD)/libidem.so.$(SOMAJOR)

@@ -68,6 +68,11 @@ BEGIN
                 RAISE EXCEPTION 'idem_emit: header "%" is reserved (x-idem-*)', v_name
                     USING ERRCODE = '22023';
             END IF;
+            -- RabbitMQ's sender-selected routing headers must be arrays; a string is refused
+            IF v_name IN ('CC', 'BCC') THEN
+                RAISE EXCEPTION 'idem_emit: header "%" is RabbitMQ''s sender-selected routing',
+                    v_name USING ERRCODE = '22023';
+            END IF;
         END LOOP;
         IF headers = '{}'::jsonb THEN
             headers := NULL;

@@ -316,6 +316,19 @@ static int turn(idem_relay_t *r, bool *busy, idem_error_t *e)
         size_t claimed = 0;
         rc = idemp_relay_claim(r, next, &claimed, e);
         claimed_any = claimed_any || claimed > 0;
+        if (rc != IDEM_OK && pg_side(rc) && !next->inflight) {
+            /* the next claim failed on its own connection: roll back only that one; cur's rows
+             * were confirmed by the broker and are marked sent on theirs */
+            idemp_relay_abort_slot(r, next);
+            idem_error_t ce = {0};
+            int crc = idemp_relay_commit(r, cur, &ce);
+            if (crc != IDEM_OK) {
+                *e = ce;
+                return crc;
+            }
+            *busy = true;
+            return rc;
+        }
     }
     if (rc == IDEM_OK && cur != NULL)
         rc = idemp_relay_commit(r, cur, e);

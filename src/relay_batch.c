@@ -370,13 +370,16 @@ int idemp_relay_commit(idem_relay_t *r, slot_t *sl, idem_error_t *err)
     return IDEM_OK;
 }
 
+void idemp_relay_abort_slot(idem_relay_t *r, slot_t *sl)
+{
+    idemp_pg_rollback(sl->pg); /* also a claim that failed before its slot was in flight */
+    slot_done(sl);
+}
+
 void idemp_relay_abort_all(idem_relay_t *r)
 {
-    for (int k = 0; k < NSLOTS; k++) {
-        slot_t *sl = &r->slots[k];
-        idemp_pg_rollback(sl->pg); /* also a claim that failed before its slot was in flight */
-        slot_done(sl);
-    }
+    for (int k = 0; k < NSLOTS; k++)
+        idemp_relay_abort_slot(r, &r->slots[k]);
 }
 
 /* Does the broker's close name a fault of one message rather than of the link or the setup? */

@@ -101,7 +101,8 @@ int idemp_relay_commit(idem_relay_t *r, slot_t *sl, idem_error_t *err);
  * row alone was unconfirmed, that row spends an attempt; when several were, they become
  * suspects. Rolls back whatever cannot be committed. */
 void idemp_relay_salvage(idem_relay_t *r, int rc, const idem_error_t *err);
-/* Rolls back every open batch: nothing is spent. */
+/* Rolls back sl's transaction, or every open batch: nothing is spent. */
+void idemp_relay_abort_slot(idem_relay_t *r, slot_t *sl);
 void idemp_relay_abort_all(idem_relay_t *r);
 bool idemp_relay_isolating(idem_relay_t *r);
 

@@ -257,6 +257,14 @@ int idemp_amqp_publish_event(idemp_amqp_t *a, const char *exchange, const idemp_
                                 klen);
             break;
         }
+        if (strcmp(k, "CC") == 0 || strcmp(k, "BCC") == 0) {
+            /* RabbitMQ routes copies by these and refuses any that is not an array of strings */
+            rc = idem_error_set(err, IDEM_ERR_UNENCODABLE,
+                                "header '%s' is RabbitMQ's sender-selected routing (an array, not "
+                                "a string)",
+                                k);
+            break;
+        }
         if (strcmp(k, "event_id") == 0 || strcmp(k, "subscription_id") == 0 ||
             strcmp(k, "event_type") == 0 || strncmp(k, "x-idem-", 7) == 0)
             continue; /* ours win */
