@@ -200,3 +200,41 @@ def test_failed_claim_does_not_discard_a_confirmed_batch(db, servers, queue, bro
     ids = emit_batch(db, "one-healthy-slot", n=10)
     assert_sent_once(db, broker, queue, ids)
     assert_no_aborted_transaction(db, relay)
+
+
+def test_table_lock_while_busy_sends_each_once(db, servers, queues, broker, relay_daemons):
+    """(b, under load) The table is locked (as a migration's ALTER TABLE would) while the relay is
+    draining a backlog with --lock-timeout 1s. The relay's next claim waits behind the lock
+    request, which waits for the relay's own open batch: the lock timeout breaks that, and only
+    the claim that failed may be rolled back. The batch in flight was confirmed by the broker; it
+    must still be marked sent, or its rows are published a second time."""
+    q = queues.new()
+    with broker.channel() as ch:
+        broker.declare_exchange(ch)
+        ch.queue_declare(queue=q, durable=False)
+        ch.queue_bind(queue=q, exchange="billing.events", routing_key=TYPE)
+    n = 20_000
+    db.execute("INSERT INTO event_outbox (event_id, subscription_id, event_type, payload)"
+               " SELECT gen_random_uuid(), gen_random_uuid(), %s, jsonb_build_object('n', i)"
+               " FROM generate_series(1, %s) AS i", TYPE, n)
+    relay = relay_daemons(["--lock-timeout", "1s", "--batch", "50"])
+    wait_until(lambda: relay.sent() > 0, 15, 0.01, "the relay publishing")
+
+    with db.connect(autocommit=False) as conn, conn.cursor() as cur:
+        cur.execute("SET lock_timeout = '20s'")
+        cur.execute("LOCK TABLE event_outbox IN ACCESS EXCLUSIVE MODE")
+        held_at = relay.sent()
+        time.sleep(1.5)
+        conn.commit()
+    assert held_at < n, "the backlog was drained before the lock was taken"
+
+    wait_until(lambda: db.count("event_outbox", "status = 'sent'") == n, 20, 0.2,
+               lambda: f"{n} rows sent (now {status_counts(db)})")
+    wait_until(lambda: broker.depth(q) >= n, 10, 0.2, "every message in the queue")
+    time.sleep(0.5)  # anything published twice arrives too
+    depth = broker.queue_info(q)[0]
+    assert "lock timeout" in relay.log(), "the lock did not make a claim fail"
+    assert depth == n, (f"{depth} messages for {n} events: {depth - n} published twice\n"
+                        + "\n".join(line for line in relay.log().splitlines()
+                                    if "rolled back" in line or "warn" in line)[-3000:])
+    assert_no_aborted_transaction(db, relay)
