@@ -126,10 +126,15 @@ static void reason(PGconn *conn, char *out, size_t sz)
     out[o] = '\0';
 }
 
-/* Server notices (e.g. "relation already exists, skipping") are not errors: debug log only. */
+/* Server notices (e.g. "relation already exists, skipping") are not errors: debug log only,
+ * except idem's own (a migration that could not create a role says so). */
 static void on_notice(void *arg, const char *message)
 {
-    idem_log(IDEM_LOG_DEBUG, "postgres", NULL, "%s", message);
+    const char *own = strstr(message, "idem: ");
+    if (own != NULL)
+        idem_log(IDEM_LOG_WARN, "postgres", NULL, "%s", own);
+    else
+        idem_log(IDEM_LOG_DEBUG, "postgres", NULL, "%s", message);
 }
 
 int idemp_pg_result_error(PGconn *conn, PGresult *res, const char *sql, idem_error_t *err);
