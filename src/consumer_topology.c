@@ -22,7 +22,8 @@ static int bind_keys(idem_consumer_t *c, const char *target, bool exchange, idem
     return rc;
 }
 
-/* P > 1: the partitions must be exactly p0..p<P-1>: p<P> must not exist, nor p0 without p<P-1>. */
+/* P > 1: the partitions must be exactly p0..p<P-1>: p<P> must not exist, nor p0 without p<P-1>
+ * (declare_partitions declares p0 last). */
 static int check_partition_count(idem_consumer_t *c, idem_error_t *err)
 {
     int p = c->cfg.partitions;
@@ -76,7 +77,9 @@ static int declare_partitions(idem_consumer_t *c, const idemp_queue_spec_t *spec
     }
     if (rc == IDEM_OK)
         rc = bind_keys(c, c->hash_exchange, true, err);
-    for (int i = 0; rc == IDEM_OK && i < c->cfg.partitions; i++) {
+    /* from the last partition to the first: whoever finds p0 finds all of them (processes of a
+     * group starting together must not mistake a half-declared group for a smaller one) */
+    for (int i = c->cfg.partitions - 1; rc == IDEM_OK && i >= 0; i--) {
         char *q = idemp_consumer_name("%s.p%d", c->queue, i);
         if (q == NULL)
             return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
