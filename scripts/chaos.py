@@ -144,6 +144,7 @@ class Proc:
                                run.logs, run.servers.pg_url, amqp,
                                logpath=os.path.join(run.logs, f"{name}.log"), new_session=True)
         self.instances = 0
+        self.spawned = 0.0
         self.expect = None  # 'kill' (we SIGKILLed it) or 'term' (we sent SIGTERM)
         self.next_fault = None  # IDEM_FAULT of the restart after an expected exit
         self.term_deadline = 0.0
@@ -362,6 +363,7 @@ class Run:
             f.write(f"---- {p.name} instance {p.instances} at {self.now():.1f}s"
                     f"{' (IDEM_FAULT=' + fault + ')' if fault else ''}\n")
         p.daemon.spawn()
+        p.spawned = time.monotonic()
         p.last = {}
         p.expect = None
         if fault:
@@ -389,11 +391,13 @@ class Run:
             if p.role == "relay":
                 self.spawn(p)
 
-    def pick_proc(self, role, rng):
-        """A running daemon of role to hit; consumers that applied events lately (the active
-        ones) three times as often as standbys."""
+    def pick_proc(self, role, rng, min_age=0.0):
+        """A running daemon of role to hit, up for min_age seconds at least; consumers that
+        applied events lately (the active ones) three times as often as standbys."""
+        now = time.monotonic()
         cands = sorted((p for p in self.procs.values()
-                        if p.role == role and p.running() and p.expect is None),
+                        if p.role == role and p.running() and p.expect is None
+                        and now - p.spawned >= min_age),
                        key=lambda p: p.name)
         if not cands:
             return None

@@ -147,8 +147,12 @@ class Injector:
             return False
         if kind == "rmq-restart" and active & {"freeze-resume", "freeze-drop"}:
             return False
-        if group == "process" and "pg-restart" in active and kind.startswith("seam-"):
-            return False  # a graceful stop needs its server
+        if kind.startswith("seam-"):
+            if "pg-restart" in active:
+                return False  # a graceful stop needs its server
+            role = "relay" if kind == "seam-after-publish" else "consumer"
+            if self.run.pick_proc(role, random.Random(0), min_age=2.0) is None:
+                return False
         return True
 
     def idle(self):
@@ -208,9 +212,11 @@ class Injector:
         point, role = {"seam-before-commit": ("consumer.before_commit", "consumer"),
                        "seam-after-commit": ("consumer.after_commit", "consumer"),
                        "seam-after-publish": ("relay.after_publish", "relay")}[f.kind]
-        p = self.run.pick_proc(role, self.rng)
+        # SIGTERM only a daemon that has been up a while: one hit before it installed its
+        # signal handler just dies of the signal, which says nothing about idem.
+        p = self.run.pick_proc(role, self.rng, min_age=2.0)
         if p is None:
-            f.detail = f"no running {role}"
+            f.detail = f"no {role} up for 2 s"
             return self._done(f, False)
         fault = f"{point}:{self.rng.randint(1, 25)}"
         f.target = p.name
