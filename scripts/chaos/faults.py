@@ -109,8 +109,9 @@ def schedule(seed, kinds, window, min_gap=1.0, max_gap=3.0, first=2.0):
 
 
 class Injector:
-    """Injects faults into a run. `run` gives: servers, pg_url, procs (name -> Proc), listeners
-    (name -> proxy Listener), event(text), and the main-thread process actions."""
+    """Injects faults into a run. `run` gives: servers, listeners (name -> proxy Listener),
+    stop_flag, now(), event(text), admin_conn(), set_fault_sqlstate(code), backend_owners(),
+    and the main-thread process actions pick_proc, kill_proc and restart_proc."""
 
     def __init__(self, run, seed):
         self.run = run
