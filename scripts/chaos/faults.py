@@ -148,12 +148,13 @@ class Injector:
             return False
         if kind == "rmq-restart" and active & {"freeze-resume", "freeze-drop"}:
             return False
-        if kind.startswith("seam-"):
-            if "pg-restart" in active:
+        if group == "process":
+            if kind.startswith("seam-") and "pg-restart" in active:
                 return False  # a graceful stop needs its server
-            role = "relay" if kind == "seam-after-publish" else "consumer"
-            if self.run.pick_proc(role, random.Random(0), min_age=2.0) is None:
-                return False
+            role = "relay" if kind in ("kill-relay", "seam-after-publish") else "consumer"
+            min_age = 2.0 if kind.startswith("seam-") else 0.0
+            if self.run.pick_proc(role, random.Random(0), min_age) is None:
+                return False  # every daemon of the role is restarting
         return True
 
     def idle(self):
