@@ -55,6 +55,7 @@ DEMO_SCHEMA = os.path.join(ROOT, "scripts", "demo", "schema.sql")
 CHAOS_SCHEMA = os.path.join(HERE, "chaos", "schema.sql")
 STOP_GRACE_S = 15  # a daemon must exit within this long after SIGTERM
 FAULT_MAX_DELAY_S = 30  # longest a fault waits for its preconditions (e.g. an open AMQP link)
+FAULT_MIN_GAP_S = 1.0  # between two faults, also when some were held back
 CONSUMER_METRICS = {"applied": "idem_consumer_applied_total",
                     "duplicates": "idem_consumer_duplicates_total",
                     "dead_lettered": "idem_consumer_dead_lettered_total",
@@ -335,8 +336,12 @@ class Run:
         return owners
 
     def set_fault_sqlstate(self, code):
+        """Switches the triggers' SQLSTATE on (code) or off (None); returns the number of
+        writes refused so far."""
         with self.admin_conn() as conn, conn.cursor() as cur:
             cur.execute("UPDATE chaos.fault SET sqlstate = %s", (code,))
+            cur.execute("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM chaos.refused")
+            return cur.fetchone()[0]
 
     # ------------------------------------------------------------------ daemons
 
@@ -370,6 +375,9 @@ class Run:
             self.seams_armed[fault.split(":")[0]] += 1
 
     def start_daemons(self):
+        """Starts the consumers together (as a deployment would), waits until every work queue
+        has a consumer, then starts the relays. A consumer that exits meanwhile is recorded and
+        restarted like at any other time; one that fails 3 times ends the run."""
         for p in self.procs.values():
             if p.role == "consumer":
                 self.spawn(p)
@@ -378,10 +386,11 @@ class Run:
         broker = H.Broker(self.servers.amqp_url)
 
         def ready():
+            self.supervise()
             for p in self.procs.values():
-                if p.role == "consumer" and not p.running():
-                    raise RuntimeError(f"{p.name} exited at start ({p.daemon.proc.returncode}); "
-                                       f"see {p.daemon.logpath}:\n{p.daemon.log()[-1500:]}")
+                if p.role == "consumer" and p.instances > 3:
+                    raise RuntimeError(f"{p.name} keeps exiting at start; see {p.daemon.logpath}:"
+                                       f"\n{p.daemon.log()[-1500:]}")
             infos = broker.queue_infos(self.work_queues + [self.dlq])
             return all(i is not None for i in infos.values()) and all(
                 infos[q][1] >= 1 for q in self.work_queues)
@@ -568,6 +577,7 @@ class Run:
         self.event(f"workload started: {a.emitters} emitter connections")
 
         next_fault = 0
+        fault_not_before = 0.0
         emit_end = None
         last_fault_end = None
         drain_from = None
@@ -590,12 +600,15 @@ class Run:
                 next_scrape = now + 1.0
             # Faults, in plan order; one that may not start yet holds the ones behind it, for
             # FAULT_MAX_DELAY_S at most (then it is tried anyway, and reported if it fails).
-            while next_fault < len(plan_faults) and plan_faults[next_fault].at <= self.now():
+            # Faults held back start at least FAULT_MIN_GAP_S apart, not all at once.
+            while (next_fault < len(plan_faults) and plan_faults[next_fault].at <= self.now()
+                   and now >= fault_not_before):
                 f = plan_faults[next_fault]
                 if not inj.ready(f.kind) and self.now() - f.at < FAULT_MAX_DELAY_S:
                     break
                 inj.inject(f)
                 next_fault += 1
+                fault_not_before = now + FAULT_MIN_GAP_S
                 self.event(f"{f.kind:<19} {f.target} {f.detail}".rstrip())
             if emit_end is None and all(not e.is_alive() for e in self.emitters):
                 emit_end = now
@@ -728,6 +741,11 @@ class Run:
         fired = ", ".join(f"{k} {self.seams_fired[k]}/{self.seams_armed[k]}"
                           for k in sorted(self.seams_armed))
         row("seams fired / armed", sum(self.seams_fired.values()), fired)
+        windows = [f for f in plan_faults if f.refused is not None]
+        if windows:
+            row("writes refused", sum(f.refused for f in windows),
+                f"by the SQLSTATE triggers in {len(windows)} windows ("
+                + ", ".join(str(f.refused) for f in windows) + ")")
         row("drain", "-" if drained_after is None else f"{drained_after:.1f} s",
             f"after {drain_since}" if drained_after is not None else "not drained")
         row("run time", f"{time.monotonic() - self.started:.0f} s",

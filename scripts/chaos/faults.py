@@ -82,6 +82,7 @@ class Fault:
         self.target = ""
         self.detail = ""
         self.ok = None  # True: injected as planned; False: could not be (detail says why)
+        self.refused = None  # writes refused during a SQLSTATE window
         self.thread = None
 
     def over(self):
@@ -139,9 +140,17 @@ class Injector:
         if kind in active:
             return False
         group = KINDS[kind][0]
+        db_active = {k for k in active if KINDS[k][0] == "db"}
         if group == "db" and "pg-restart" in active:
             return False
-        if kind == "pg-restart" and active & {"lock-outbox", "sqlstate-25006", "sqlstate-53100"}:
+        if kind == "pg-restart" and db_active:
+            return False
+        # The two SQLSTATEs share one switch; and a window inside the outbox lock would find
+        # no traffic to refuse.
+        if kind.startswith("sqlstate-") and db_active & {"sqlstate-25006", "sqlstate-53100",
+                                                         "lock-outbox"}:
+            return False
+        if kind == "lock-outbox" and db_active & {"sqlstate-25006", "sqlstate-53100"}:
             return False
         if group == "link" and ("rmq-restart" in active or
                                 not any(ln.open_links() for ln in self.run.listeners.values())):
@@ -269,7 +278,10 @@ class Injector:
                 cur.execute(BACKENDS_SQL + " WHERE application_name = 'idem'"
                             " AND datname = current_database()")
                 rows = cur.fetchall()
-                busy = [r for r in rows if r[2] in ("active", "idle in transaction")]
+                # A cancel only affects a running statement; a termination any session.
+                states = ("active",) if func == "pg_cancel_backend" else \
+                    ("active", "idle in transaction")
+                busy = [r for r in rows if r[2] in states]
                 if busy or time.monotonic() > deadline:
                     break
                 time.sleep(0.02)
@@ -375,7 +387,7 @@ class Injector:
         f.target = "triggers on dunning, revenue_entries, receipts, event_outbox"
 
         def body(f):
-            self.run.set_fault_sqlstate(code)
+            before = self.run.set_fault_sqlstate(code)
             try:
                 self.pause(hold)
             finally:
@@ -383,12 +395,13 @@ class Injector:
                 deadline = time.monotonic() + 60
                 while True:
                     try:
-                        self.run.set_fault_sqlstate(None)
+                        after = self.run.set_fault_sqlstate(None)
                         break
                     except psycopg2.Error:
                         if time.monotonic() > deadline:
                             raise
                         time.sleep(0.5)
-            f.detail = f"SQLSTATE {code} for {hold:.1f} s"
+            f.refused = after - before
+            f.detail = f"SQLSTATE {code} for {hold:.1f} s, {f.refused} writes refused"
 
         self._in_thread(f, body)

@@ -12,6 +12,9 @@ CREATE TABLE chaos.fault (
 );
 INSERT INTO chaos.fault DEFAULT VALUES;
 
+-- Writes refused so far. A sequence, because it is not rolled back with the refused write.
+CREATE SEQUENCE chaos.refused;
+
 CREATE FUNCTION chaos.fail_if_switched_on() RETURNS trigger
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -19,6 +22,7 @@ DECLARE
 BEGIN
     SELECT sqlstate INTO code FROM chaos.fault;
     IF code IS NOT NULL THEN
+        PERFORM nextval('chaos.refused');
         RAISE EXCEPTION 'chaos: % on % refused (injected SQLSTATE %)', TG_OP, TG_TABLE_NAME, code
             USING ERRCODE = code;
     END IF;
