@@ -1,20 +1,11 @@
 """Prints the number of ready messages in each queue named on the command line (passive declare;
 -1 for a queue that does not exist). Usage: queues.py AMQP_URL QUEUE...  Debian's python3-pika."""
+import os
 import sys
 
-import pika
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests",
+                                "harness"))
+from idem_harness import Broker  # noqa: E402
 
-params = pika.URLParameters(sys.argv[1])
-params.connection_attempts = 1
-params.socket_timeout = 3
-conn = pika.BlockingConnection(params)
-counts = []
-ch = conn.channel()
-for q in sys.argv[2:]:
-    try:
-        counts.append(ch.queue_declare(q, passive=True).method.message_count)
-    except pika.exceptions.ChannelClosedByBroker:
-        counts.append(-1)
-        ch = conn.channel()
-print(" ".join(map(str, counts)))
-conn.close()
+infos = Broker(sys.argv[1]).queue_infos(sys.argv[2:])
+print(" ".join(str(-1 if infos[q] is None else infos[q][0]) for q in sys.argv[2:]))

@@ -1,0 +1,824 @@
+#!/usr/bin/python3
+"""scripts/chaos.py - idem's chaos audit (`make chaos`): the billing scenario at scale under
+injected faults, then an audit of the end state against a plan computed independently.
+
+    make chaos [SEED=n] [CHAOS_ARGS='--quick ...']
+    scripts/chaos.py [--quick] [--seed N] [--events N] [--subs N] [--duration S] ...
+
+Starts private PostgreSQL and RabbitMQ (scripts/services.sh) in a temporary directory, always
+stopped at exit; needs root, build/idem and Debian's python3 (pika, psycopg2).
+
+The run: a scenario of subscriptions and invoices (payment failures, payments, replays of the
+same operation) is committed by a few emitter connections, each subscription by one of them in
+a known order (scripts/chaos/emitter.py), while relays and a partitioned consumer group run
+with --heartbeat. Every 1-3 s a fault is injected (scripts/chaos/faults.py), from kills and
+crashes at idem's fault seams to server restarts, frozen AMQP links (scripts/chaos/proxy.py
+sits between every daemon and RabbitMQ), cancelled and terminated backends, a lock on the
+outbox and SQLSTATEs 25006 and 53100 raised by triggers (scripts/chaos/schema.sql). Then the
+outbox and queues must drain, every daemon must stop cleanly on SIGTERM, and the audit
+(scripts/chaos/audit.py) must pass on every line. Exit 0 only then.
+
+The seed fixes the scenario and the fault plan (kinds, times, targets' random choices); the
+interleaving of threads and processes differs from run to run.
+"""
+
+import argparse
+import contextlib
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(HERE, "chaos"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "harness"))
+
+import psycopg2  # noqa: E402
+
+import audit  # noqa: E402
+import emitter  # noqa: E402
+import faults  # noqa: E402
+import idem_harness as H  # noqa: E402
+import proxy  # noqa: E402
+import scenario  # noqa: E402
+
+CONSUMER = "billing"
+QUEUE = "billing.events.q"
+DEMO_SCHEMA = os.path.join(ROOT, "scripts", "demo", "schema.sql")
+CHAOS_SCHEMA = os.path.join(HERE, "chaos", "schema.sql")
+STOP_GRACE_S = 15  # a daemon must exit within this long after SIGTERM
+FAULT_MAX_DELAY_S = 30  # longest a fault waits for its preconditions (e.g. an open AMQP link)
+FAULT_MIN_GAP_S = 1.0  # between two faults, also when some were held back
+CONSUMER_METRICS = {"applied": "idem_consumer_applied_total",
+                    "duplicates": "idem_consumer_duplicates_total",
+                    "dead_lettered": "idem_consumer_dead_lettered_total",
+                    "paused": "idem_consumer_paused_total",
+                    "handler_errors": "idem_consumer_handler_errors_total",
+                    "reconnects": "idem_reconnects_total"}
+RELAY_METRICS = {"published": "idem_relay_published_total",
+                 "publish_failures": "idem_relay_publish_failures_total",
+                 "parked": "idem_relay_parked_total",
+                 "reconnects": "idem_reconnects_total"}
+
+
+class Interrupted(Exception):
+    pass
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(
+        prog="chaos", description="idem's chaos audit: the billing scenario under faults, "
+        "then an exactly-once audit. Exit 0 only if every audit line passes.")
+    ap.add_argument("--seed", type=int, help="random seed (default: a new one, printed)")
+    ap.add_argument("--quick", action="store_true",
+                    help="development size: --events 3000 --subs 100 --duration 20")
+    ap.add_argument("--events", type=int, help="outbox events to produce, at least (52000)")
+    ap.add_argument("--subs", type=int, help="subscriptions (600)")
+    ap.add_argument("--duration", type=float,
+                    help="seconds over which the workload is emitted and faults injected (90)")
+    ap.add_argument("--replay-pct", type=float, default=10.0,
+                    help="share of operations run twice with the same dedup key (10)")
+    ap.add_argument("--emitters", type=int, default=4, help="emitter connections (4)")
+    ap.add_argument("--relays", type=int, default=2, help="relay processes (2)")
+    ap.add_argument("--consumers", type=int, default=3,
+                    help="consumer processes in the one consumer group (3)")
+    ap.add_argument("--partitions", type=int, default=2,
+                    help="--partitions of the consumer group; 1 runs without the flag (2)")
+    ap.add_argument("--heartbeat", default="2s",
+                    help="--heartbeat of every daemon; 'off' runs without the flag (2s)")
+    ap.add_argument("--faults", default="all",
+                    help="fault kinds: all, none, or a comma list of kinds and groups "
+                    "(process, server, link, db): " + ", ".join(faults.KINDS))
+    ap.add_argument("--drain-timeout", type=float, default=60.0,
+                    help="seconds after the last fault (and the last emit) to drain (60)")
+    ap.add_argument("--workdir", help="directory for servers and logs (default: a new one "
+                    "under /tmp; kept after a failed run or with --keep)")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    a = ap.parse_args(argv)
+    a.argv = list(argv)
+    quick = a.quick
+    a.events = a.events or (3000 if quick else 52000)
+    a.subs = a.subs or (100 if quick else 600)
+    a.duration = a.duration or (20.0 if quick else 90.0)
+    if a.seed is None:
+        a.seed = random.SystemRandom().randrange(1, 10**6)
+    try:
+        a.fault_kinds = faults.parse_kinds(a.faults)
+    except ValueError as e:
+        ap.error(str(e))
+    if a.subs < 1 or a.events < a.subs or a.emitters < 1 or a.relays < 1 or a.consumers < 1:
+        ap.error("need --subs >= 1, --events >= --subs, and at least one emitter, relay, consumer")
+    if a.partitions < 1:
+        ap.error("--partitions must be >= 1")
+    return a
+
+
+def replay_args(a):
+    """The command-line flags that reproduce this run's scenario and fault plan."""
+    out, words = [], iter(a.argv)
+    for w in words:
+        if w in ("--seed", "--workdir"):
+            next(words, None)
+        elif not (w.startswith(("--seed=", "--workdir=")) or w == "--keep"):
+            out.append(w)
+    return ["--seed", str(a.seed)] + out
+
+
+class Proc:
+    """One daemon slot (relay1, consumer2, ...): its process across restarts, its own proxy
+    port to RabbitMQ, its metrics port, and its counters summed over instances."""
+
+    def __init__(self, name, role, argv, run):
+        self.name = name
+        self.role = role
+        self.metrics_port = H.free_port()
+        self.listener = proxy.Listener(name, ("127.0.0.1", run.amqp_port))
+        amqp = f"amqp://guest:guest@127.0.0.1:{self.listener.port}"
+        self.daemon = H.Daemon(name, argv + ["--metrics-port", str(self.metrics_port)],
+                               run.logs, run.servers.pg_url, amqp,
+                               logpath=os.path.join(run.logs, f"{name}.log"), new_session=True)
+        self.instances = 0
+        self.spawned = 0.0
+        self.expect = None  # 'kill' (we SIGKILLed it) or 'term' (we sent SIGTERM)
+        self.next_fault = None  # IDEM_FAULT of the restart after an expected exit
+        self.term_deadline = 0.0
+        self.last = {}  # the current instance's last scrape
+        self.base = Counter()  # summed over the earlier instances
+        self.recent = 0.0  # applied/published between the last two scrapes
+
+    def pid(self):
+        return self.daemon.proc.pid if self.daemon.proc else None
+
+    def running(self):
+        return self.daemon.running()
+
+    def metric(self, key):
+        return self.base[key] + self.last.get(key, 0.0)
+
+
+class Monitor(threading.Thread):
+    """Samples the outbox, the ledger and the queues about once a second on its own
+    connections, so that a stalled server never stalls the run's main loop."""
+
+    def __init__(self, run):
+        super().__init__(name="monitor", daemon=True)
+        self.run_ = run
+        self.stop = threading.Event()
+        self.snap = None  # (monotonic time, db dict or None, {queue: ready or None} or None)
+        self.conn = None
+
+    def db_sample(self):
+        if self.conn is None or self.conn.closed:
+            self.conn = psycopg2.connect(self.run_.servers.pg_url, connect_timeout=2,
+                                         application_name="chaos-monitor",
+                                         options="-c lock_timeout=300 -c statement_timeout=3000")
+            self.conn.autocommit = True
+        with self.conn.cursor() as cur:
+            cur.execute("SELECT count(*), count(*) FILTER (WHERE status = 'pending'),"
+                        " count(*) FILTER (WHERE status = 'sent'),"
+                        " count(*) FILTER (WHERE status = 'failed') FROM event_outbox")
+            total, pending, sent, failed = cur.fetchone()
+            cur.execute("SELECT count(*) FROM consumed_events WHERE consumer = %s", (CONSUMER,))
+            ledger = cur.fetchone()[0]
+        return {"total": total, "pending": pending, "sent": sent, "failed": failed,
+                "ledger": ledger}
+
+    def run(self):
+        broker = H.Broker(self.run_.servers.amqp_url)
+        queues = self.run_.work_queues + [self.run_.dlq]
+        while not self.stop.is_set():
+            t = time.monotonic()
+            try:
+                db = self.db_sample()
+            except psycopg2.Error:
+                db = None
+                with contextlib.suppress(Exception):
+                    self.conn.close()
+                self.conn = None
+            try:
+                infos = broker.queue_infos(queues)
+                q = {name: (None if i is None else i[0]) for name, i in infos.items()}
+            except Exception:
+                q = None
+            self.snap = (t, db, q)
+            self.stop.wait(max(0.1, 1.0 - (time.monotonic() - t)))
+        with contextlib.suppress(Exception):
+            self.conn.close()
+
+
+class Run:
+    def __init__(self, args):
+        self.a = args
+        self.t0 = None  # workload start (monotonic)
+        self.work = args.workdir or tempfile.mkdtemp(prefix="idem-chaos.")
+        os.makedirs(self.work, exist_ok=True)
+        os.chmod(self.work, 0o755)  # user postgres must reach the data directory below it
+        self.logs = os.path.join(self.work, "logs")
+        os.makedirs(self.logs, exist_ok=True)
+        self.svc_dir = os.path.join(self.work, "svc")
+        self.logfile = open(os.path.join(self.logs, "chaos.log"), "a")
+        self.faultlog = open(os.path.join(self.logs, "faults.log"), "a")
+        self.servers = None
+        self.procs = {}
+        self.listeners = {}
+        self.problems = []  # unplanned exits and unclean stops
+        self.seams_fired = Counter()
+        self.seams_armed = Counter()
+        self.emitters = []
+        self.injector = None
+        self.monitor = None
+        self.stop_flag = threading.Event()
+        self.emit_stop = threading.Event()
+        self.print_lock = threading.Lock()
+        P = args.partitions
+        self.work_queues = [f"{QUEUE}.p{i}" for i in range(P)] if P > 1 else [QUEUE]
+        self.dlq = QUEUE + ".dlq"
+
+    # ------------------------------------------------------------------ output
+
+    def now(self):
+        return 0.0 if self.t0 is None else time.monotonic() - self.t0
+
+    def say(self, text=""):
+        with self.print_lock:
+            print(text, flush=True)
+            self.logfile.write(text + "\n")
+            self.logfile.flush()
+
+    def event(self, text):
+        """A timestamped line, on the terminal and in faults.log."""
+        line = f"  {self.now():7.1f}s  {text}"
+        self.say(line)
+        with self.print_lock:
+            self.faultlog.write(line + "\n")
+            self.faultlog.flush()
+
+    # ------------------------------------------------------------------ servers and schema
+
+    def start_servers(self):
+        t = time.monotonic()
+        self.servers = H.start_servers(self.svc_dir)
+        self.amqp_port = int(self.servers.amqp_url.rsplit(":", 1)[1].split("/")[0])
+        self.pg = H.Db(self.servers.pg_url)
+        # synchronous_commit on: an immediate stop (pg-restart) loses async commits that were
+        # already acknowledged, which the audit would count as lost events. fsync stays off
+        # (services.sh's default, for speed): an immediate stop of the server does not lose
+        # the operating system's page cache, only a machine crash would.
+        self.pg.execute("ALTER SYSTEM SET synchronous_commit = on")
+        self.pg.execute("SELECT pg_reload_conf()")
+        H.wait_until(lambda: self.pg.scalar("SHOW synchronous_commit") == "on", 10, 0.1,
+                     "synchronous_commit = on")
+        plugins = os.path.join(self.svc_dir, "rmq", "enabled_plugins")
+        if self.a.partitions > 1 and "rabbitmq_consistent_hash_exchange" not in open(plugins).read():
+            # The partitioned topology needs the plugin; enable it and restart the broker.
+            self.servers.rmq_stop()
+            with open(plugins, "w") as f:
+                f.write("[rabbitmq_consistent_hash_exchange].\n")
+            self.servers.rmq_start()
+        self.say(f"  PostgreSQL 127.0.0.1:{self.servers.pg_url.rsplit(':', 1)[1].split('/')[0]} "
+                 f"(synchronous_commit on, fsync off), RabbitMQ 127.0.0.1:{self.amqp_port} "
+                 f"(up in {time.monotonic() - t:.1f} s)")
+
+    def prepare_db(self, plan):
+        r = H.run_idem("migrate", pg_url=self.servers.pg_url, amqp_url=self.servers.amqp_url)
+        with open(os.path.join(self.logs, "migrate.log"), "w") as f:
+            f.write(r.stdout + r.stderr)
+        if r.returncode != 0:
+            raise RuntimeError(f"idem migrate failed ({r.returncode}): {r.stderr.strip()}")
+        with self.pg.connect(autocommit=False) as conn:
+            with conn.cursor() as cur:
+                for path in (DEMO_SCHEMA, CHAOS_SCHEMA):
+                    with open(path) as f:
+                        cur.execute(f.read())
+            conn.commit()
+            emitter.load_business_data(conn, plan)
+
+    @contextlib.contextmanager
+    def admin_conn(self, autocommit=True):
+        conn = psycopg2.connect(self.servers.pg_url, connect_timeout=3,
+                                application_name="chaos-faults")
+        conn.autocommit = autocommit
+        try:
+            yield conn
+        finally:
+            conn.close()
+
+    def backend_owners(self):
+        """{client port: daemon name} of the daemons' TCP connections (from /proc), to name the
+        daemon behind a PostgreSQL backend (pg_stat_activity.client_port)."""
+        inode_owner = {}
+        for p in self.procs.values():
+            pid = p.pid()
+            if pid is None:
+                continue
+            with contextlib.suppress(OSError):
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    with contextlib.suppress(OSError):
+                        link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                        if link.startswith("socket:["):
+                            inode_owner[link[8:-1]] = p.name
+        owners = {}
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with contextlib.suppress(OSError), open(table) as f:
+                next(f)
+                for line in f:
+                    cols = line.split()
+                    name = inode_owner.get(cols[9])
+                    if name:
+                        owners[int(cols[1].rsplit(":", 1)[1], 16)] = name
+        return owners
+
+    def set_fault_sqlstate(self, code):
+        """Switches the triggers' SQLSTATE on (code) or off (None); returns the number of
+        writes refused so far."""
+        with self.admin_conn() as conn, conn.cursor() as cur:
+            cur.execute("UPDATE chaos.fault SET sqlstate = %s", (code,))
+            cur.execute("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM chaos.refused")
+            return cur.fetchone()[0]
+
+    # ------------------------------------------------------------------ daemons
+
+    def daemon_flags(self):
+        hb = [] if self.a.heartbeat == "off" else ["--heartbeat", self.a.heartbeat]
+        parts = [] if self.a.partitions == 1 else ["--partitions", str(self.a.partitions)]
+        return hb, parts
+
+    def make_procs(self):
+        hb, parts = self.daemon_flags()
+        for i in range(1, self.a.consumers + 1):
+            p = Proc(f"consumer{i}", "consumer", [H.IDEM, "consume", "--consumer", CONSUMER,
+                                                  "--queue", QUEUE, *parts, *hb], self)
+            self.procs[p.name] = p
+        for i in range(1, self.a.relays + 1):
+            p = Proc(f"relay{i}", "relay", [H.IDEM, "relay", *hb], self)
+            self.procs[p.name] = p
+        self.listeners = {p.name: p.listener for p in self.procs.values()}
+
+    def spawn(self, p, fault=None):
+        p.daemon.set_fault(fault)
+        p.instances += 1
+        with open(p.daemon.logpath, "a") as f:
+            f.write(f"---- {p.name} instance {p.instances} at {self.now():.1f}s"
+                    f"{' (IDEM_FAULT=' + fault + ')' if fault else ''}\n")
+        p.daemon.spawn()
+        p.spawned = time.monotonic()
+        p.last = {}
+        p.expect = None
+        if fault:
+            self.seams_armed[fault.split(":")[0]] += 1
+
+    def start_daemons(self):
+        """Starts the consumers together (as a deployment would), waits until every work queue
+        has a consumer, then starts the relays. A consumer that exits meanwhile is recorded and
+        restarted like at any other time; one that fails 3 times ends the run."""
+        for p in self.procs.values():
+            if p.role == "consumer":
+                self.spawn(p)
+        # The consumers declare the exchange, their queues and bindings: wait for them before
+        # anything is published, or the first events would be unroutable.
+        broker = H.Broker(self.servers.amqp_url)
+
+        def ready():
+            self.supervise()
+            for p in self.procs.values():
+                if p.role == "consumer" and p.instances > 3:
+                    raise RuntimeError(f"{p.name} keeps exiting at start; see {p.daemon.logpath}:"
+                                       f"\n{p.daemon.log()[-1500:]}")
+            infos = broker.queue_infos(self.work_queues + [self.dlq])
+            return all(i is not None for i in infos.values()) and all(
+                infos[q][1] >= 1 for q in self.work_queues)
+
+        H.wait_until(ready, 30, 0.2, f"consumers consuming from {', '.join(self.work_queues)}")
+        for p in self.procs.values():
+            if p.role == "relay":
+                self.spawn(p)
+
+    def pick_proc(self, role, rng, min_age=0.0):
+        """A running daemon of role to hit, up for min_age seconds at least; consumers that
+        applied events lately (the active ones) three times as often as standbys."""
+        now = time.monotonic()
+        cands = sorted((p for p in self.procs.values()
+                        if p.role == role and p.running() and p.expect is None
+                        and now - p.spawned >= min_age),
+                       key=lambda p: p.name)
+        if not cands:
+            return None
+        weights = [3 if p.recent > 0 else 1 for p in cands]
+        return rng.choices(cands, weights)[0]
+
+    def kill_proc(self, p):
+        p.expect = "kill"
+        with contextlib.suppress(ProcessLookupError):
+            p.daemon.proc.kill()
+
+    def restart_proc(self, p, fault):
+        """SIGTERM now; the supervisor restarts it with IDEM_FAULT=fault once it exited."""
+        p.expect = "term"
+        p.next_fault = fault
+        p.term_deadline = time.monotonic() + STOP_GRACE_S
+        with contextlib.suppress(ProcessLookupError):
+            p.daemon.proc.terminate()
+
+    def retire(self, p):
+        for k, v in p.last.items():
+            p.base[k] += v
+        p.last = {}
+
+    def supervise(self):
+        """Restarts every daemon that exited; records the exits nobody planned."""
+        for p in self.procs.values():
+            proc = p.daemon.proc
+            if proc is None:
+                continue
+            rc = proc.poll()
+            if rc is None:
+                if p.expect == "term" and time.monotonic() > p.term_deadline:
+                    self.problems.append(f"{p.name} instance {p.instances} still running "
+                                         f"{STOP_GRACE_S} s after SIGTERM (killed)")
+                    p.expect = "kill"
+                    proc.kill()
+                continue
+            self.retire(p)
+            p.daemon.close()
+            fault = p.daemon.fault
+            if p.expect == "kill":
+                pass
+            elif rc == -signal.SIGKILL and fault:  # also while finishing its work on SIGTERM
+                point = fault.split(":")[0]
+                self.seams_fired[point] += 1
+                self.event(f"{p.name} crashed at {fault} (IDEM_FAULT); restarted")
+            elif p.expect == "term":
+                if rc != 0:
+                    self.problems.append(f"{p.name} instance {p.instances} exited {rc} on SIGTERM")
+                    self.event(f"{p.name} exited {rc} on SIGTERM (expected 0)")
+            else:
+                self.problems.append(f"{p.name} instance {p.instances} exited {rc} unplanned "
+                                     f"(see {p.daemon.logpath})")
+                self.event(f"{p.name} exited {rc} unplanned; restarted")
+            nxt = p.next_fault if p.expect == "term" else None
+            p.next_fault = None
+            self.spawn(p, nxt)
+
+    def scrape(self, p):
+        if not p.running():
+            return
+        m = H.read_metrics(p.metrics_port, timeout=0.5)
+        if m is None:
+            return
+        names = CONSUMER_METRICS if p.role == "consumer" else RELAY_METRICS
+        vals = {k: H.metric_sum(m, name) for k, name in names.items()}
+        key = "applied" if p.role == "consumer" else "published"
+        p.recent = vals[key] - p.last.get(key, 0.0)
+        p.last = vals
+
+    def total(self, role, key):
+        return sum(p.metric(key) for p in self.procs.values() if p.role == role)
+
+    def stop_daemons(self):
+        """SIGTERM to every daemon; each must exit 0 within STOP_GRACE_S."""
+        for p in self.procs.values():
+            self.scrape(p)
+        live = [p for p in self.procs.values() if p.running()]
+        for p in live:
+            p.daemon.proc.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for p in live:
+            try:
+                rc = p.daemon.proc.wait(max(0.1, deadline - time.monotonic()))
+            except Exception:
+                p.daemon.proc.kill()
+                p.daemon.proc.wait(5)
+                self.problems.append(f"{p.name} did not exit within {STOP_GRACE_S} s of the "
+                                     f"final SIGTERM (killed)")
+                continue
+            if rc == -signal.SIGKILL and p.daemon.fault:
+                self.seams_fired[p.daemon.fault.split(":")[0]] += 1
+                self.event(f"{p.name} crashed at {p.daemon.fault} (IDEM_FAULT) while stopping")
+            elif rc != 0:
+                self.problems.append(f"{p.name} exited {rc} on the final SIGTERM "
+                                     f"(see {p.daemon.logpath})")
+        for p in self.procs.values():
+            p.daemon.close()
+
+    # ------------------------------------------------------------------ the run
+
+    def progress(self, plan_tx):
+        snap = self.monitor.snap if self.monitor else None
+        emitted = sum(e.n_committed for e in self.emitters)
+        line = f"  {self.now():7.1f}s  emitted {emitted}/{plan_tx}"
+        if snap and snap[1]:
+            d = snap[1]
+            line += (f" | outbox {d['total']} (pending {d['pending']}) | sent {d['sent']}"
+                     f" | applied {d['ledger']}")
+        else:
+            line += " | database: no answer"
+        if snap and snap[2]:
+            ready = sum(v for q, v in snap[2].items() if q != self.dlq and v is not None)
+            line += f" | queued {ready} | dlq {snap[2].get(self.dlq)}"
+        else:
+            line += " | broker: no answer"
+        self.say(line)
+
+    def drained(self, expected_total):
+        snap = self.monitor.snap
+        if snap is None or snap[1] is None or snap[2] is None:
+            return False, snap
+        d, q = snap[1], snap[2]
+        ok = (d["pending"] == 0 and d["total"] == expected_total and d["ledger"] == expected_total
+              and all(q.get(name) == 0 for name in self.work_queues))
+        return ok, snap
+
+    def execute(self):
+        a = self.a
+        self.say(f"idem chaos audit, seed {a.seed}")
+        self.say(f"  replay with: scripts/chaos.py {' '.join(replay_args(a))}")
+        self.say(f"  work directory {self.work}")
+        plan = scenario.Scenario(a.seed, a.subs, a.events, a.replay_pct)
+        pc = plan.counts()
+        self.say(f"  scenario: {a.subs} subscriptions, {pc['invoices']} invoices, "
+                 f"{pc['transactions']} business transactions ({pc['operations']} operations + "
+                 f"{pc['replays']} replays) -> {pc['events']} events")
+        self.start_servers()
+        self.prepare_db(plan)
+        self.make_procs()
+        hb, parts = self.daemon_flags()
+        consume = " ".join(["idem consume --consumer", CONSUMER, "--queue", QUEUE, *parts, *hb])
+        self.say(f"  daemons: {a.consumers} x {consume}; {a.relays} x "
+                 + " ".join(["idem relay", *hb]))
+        self.say("           each through its own proxy port to RabbitMQ; metrics scraped")
+        self.start_daemons()
+
+        window = a.duration
+        plan_faults = faults.schedule(a.seed, a.fault_kinds, window)
+        inj = self.injector = faults.Injector(self, a.seed)
+        kinds = Counter(f.kind for f in plan_faults)
+        self.say(f"  fault plan: {len(plan_faults)} faults over "
+                 f"{plan_faults[-1].at if plan_faults else 0:.0f} s: "
+                 + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
+        self.say("")
+
+        self.monitor = Monitor(self)
+        self.monitor.start()
+        subs_of = [plan.subs[i::a.emitters] for i in range(a.emitters)]
+        emit_stop = self.emit_stop
+        self.t0 = time.monotonic()
+        self.emitters = [emitter.EmitterThread(i + 1, self.servers.pg_url, plan, subs_of[i],
+                                               a.duration, a.seed, emit_stop)
+                         for i in range(a.emitters)]
+        for e in self.emitters:
+            e.start()
+        self.event(f"workload started: {a.emitters} emitter connections")
+
+        next_fault = 0
+        fault_not_before = 0.0
+        emit_end = None
+        last_fault_end = None
+        drain_from = None
+        drained_after = None
+        drain_since = ""
+        stable = 0
+        expected = None
+        next_progress = self.t0 + 5
+        next_scrape = self.t0
+        emit_deadline = self.t0 + 3 * a.duration + 120
+        while True:
+            if self.stop_flag.is_set():
+                raise Interrupted()
+            now = time.monotonic()
+            self.supervise()
+            if now >= next_scrape:
+                for p in self.procs.values():
+                    if p.running():
+                        self.scrape(p)
+                next_scrape = now + 1.0
+            # Faults, in plan order; one that may not start yet holds the ones behind it, for
+            # FAULT_MAX_DELAY_S at most (then it is tried anyway, and reported if it fails).
+            # Faults held back start at least FAULT_MIN_GAP_S apart, not all at once.
+            while (next_fault < len(plan_faults) and plan_faults[next_fault].at <= self.now()
+                   and now >= fault_not_before):
+                f = plan_faults[next_fault]
+                if not inj.ready(f.kind) and self.now() - f.at < FAULT_MAX_DELAY_S:
+                    break
+                inj.inject(f)
+                next_fault += 1
+                fault_not_before = now + FAULT_MIN_GAP_S
+                self.event(f"{f.kind:<19} {f.target} {f.detail}".rstrip())
+            if emit_end is None and all(not e.is_alive() for e in self.emitters):
+                emit_end = now
+                n = sum(e.n_committed for e in self.emitters)
+                self.event(f"workload done: {n} transactions committed")
+            if emit_end is None and now > emit_deadline:
+                emit_stop.set()
+                self.event("workload stopped: not done in time")
+            if now >= next_progress:
+                self.progress(pc["transactions"])
+                next_progress = now + 5
+            faults_over = next_fault == len(plan_faults) and inj.idle()
+            if drain_from is None and emit_end is not None and faults_over:
+                ends = [f.ended for f in plan_faults if f.ended is not None]
+                last_fault_end = max(ends) if ends else self.t0
+                drain_from = max(last_fault_end, emit_end)
+                drain_since = ("the last fault" if last_fault_end >= emit_end
+                               else "the last emit (after the last fault)")
+                committed = {}
+                for e in self.emitters:
+                    committed.update(e.committed)
+                expected = scenario.Expected(committed)
+                self.event(f"faults over and workload committed; draining "
+                           f"({len(expected.events)} events expected)")
+            if drain_from is not None:
+                ok, snap = self.drained(len(expected.events))
+                if ok and snap[0] > drain_from:
+                    stable += 1
+                else:
+                    stable = 0
+                if stable >= 2:
+                    drained_after = snap[0] - drain_from
+                    self.event(f"drained {drained_after:.1f} s after {drain_since}")
+                    break
+                if now - drain_from > a.drain_timeout:
+                    self.progress(pc["transactions"])
+                    self.event(f"NOT drained {a.drain_timeout:g} s after {drain_since}")
+                    break
+            time.sleep(0.1)
+
+        self.say("")
+        self.say("Stopping relays and consumers with SIGTERM ...")
+        self.stop_daemons()
+        self.monitor.stop.set()
+        self.monitor.join(5)
+        for ln in self.listeners.values():
+            ln.close()
+        return self.report(plan, pc, plan_faults, expected, drained_after, drain_since)
+
+    # ------------------------------------------------------------------ audit and report
+
+    def dlq_reasons(self, limit=20000):
+        """Counter of the dead letters' x-idem-error codes (with the SQLSTATE when there is
+        one). Reads the DLQ without acking: the messages go back when the channel closes."""
+        reasons = Counter()
+        with H.Broker(self.servers.amqp_url).channel() as ch:
+            ch.basic_qos(prefetch_count=0)
+            for _ in range(limit):
+                method, props, _ = ch.basic_get(self.dlq, auto_ack=False)
+                if method is None:
+                    break
+                err = (props.headers or {}).get("x-idem-error", b"?")
+                err = err.decode(errors="replace") if isinstance(err, bytes) else str(err)
+                state = re.search(r"SQLSTATE \w{5}", err)
+                reasons[err.split(":")[0] + (f" ({state.group(0)})" if state else "")] += 1
+        return reasons
+
+    def final_queue_counts(self):
+        """{queue: messages} of the work queues and the DLQ once the consumers are gone (their
+        unacked deliveries are back in the queues), by passive declares: rabbitmqctl's counts
+        of quorum queues come from periodic statistics and lag. Two equal readings in a row."""
+        broker = H.Broker(self.servers.amqp_url)
+        names = self.work_queues + [self.dlq]
+        last = None
+        for _ in range(10):
+            infos = broker.queue_infos(names)
+            counts = {q: i[0] for q, i in infos.items() if i is not None}
+            if counts == last:
+                break
+            last = counts
+            time.sleep(0.3)
+        return counts
+
+    def report(self, plan, pc, plan_faults, expected, drained_after, drain_since):
+        a = self.a
+        committed_ops = sum(e.n_committed for e in self.emitters)
+        emit_errors = sum(e.errors for e in self.emitters)
+        with self.pg.connect(autocommit=False) as conn:
+            st = audit.fetch_state(conn, CONSUMER)
+        queue_counts = self.final_queue_counts()
+        dead = self.total("consumer", "dead_lettered")
+        reasons = self.dlq_reasons() if queue_counts.get(self.dlq) else Counter()
+        lines = [
+            audit.check_workload(pc, committed_ops, emit_errors),
+            audit.check_outbox_events(expected, st),
+            audit.check_outbox_sent(st),
+            audit.check_ledger(expected, st, CONSUMER),
+            audit.check_order(expected, st),
+            audit.check_dunning(expected, st),
+            audit.check_revenue(expected, st),
+            audit.check_receipts(expected, st),
+            audit.check_broker(queue_counts, self.work_queues, self.dlq, dead, reasons),
+            audit.check_drain(drained_after, a.drain_timeout, drain_since),
+            audit.check_processes({p.name: p.instances for p in self.procs.values()},
+                                  self.problems),
+            audit.check_faults(plan_faults, a.fault_kinds),
+        ]
+        by_type = Counter(r[1] for r in st["outbox"])
+        kinds = Counter(f.kind for f in plan_faults if f.started is not None)
+        self.say("")
+        self.say(f"Closing report (seed {a.seed})")
+        row = lambda k, v, t="": self.say(f"  {k:<24}{v:>8}  {t}".rstrip())  # noqa: E731
+        row("subscriptions", a.subs, f"{pc['invoices']} invoices")
+        row("business transactions", committed_ops,
+            f"{pc['operations']} operations + {pc['replays']} replays planned")
+        row("events in the outbox", len(st["outbox"]),
+            f"{by_type['payment.failed']} payment.failed, {by_type['invoice.paid']} invoice.paid,")
+        row("", "", f"{by_type['receipt.requested']} receipt.requested (by the invoice.paid "
+                    f"handler)")
+        row("published", int(self.total("relay", "published")),
+            f"relays' published_total (at least; {int(self.total('relay', 'publish_failures'))} "
+            f"publish failures)")
+        row("consumed", len([1 for c, _ in st["ledger"] if c == CONSUMER]),
+            f"ledger rows; at least {int(self.total('consumer', 'duplicates'))} duplicates "
+            f"skipped, {int(self.total('consumer', 'paused'))} pauses")
+        row("dead-lettered", int(dead), f"consumers' metric; {self.dlq} holds "
+            f"{queue_counts.get(self.dlq, '?')}")
+        row("faults injected", sum(kinds.values()), ", ".join(
+            f"{k} {n}" for k, n in sorted(kinds.items())))
+        fired = ", ".join(f"{k} {self.seams_fired[k]}/{self.seams_armed[k]}"
+                          for k in sorted(self.seams_armed))
+        row("seams fired / armed", sum(self.seams_fired.values()), fired)
+        windows = [f for f in plan_faults if f.refused is not None]
+        if windows:
+            row("writes refused", sum(f.refused for f in windows),
+                f"by the SQLSTATE triggers in {len(windows)} windows ("
+                + ", ".join(str(f.refused) for f in windows) + ")")
+        row("drain", "-" if drained_after is None else f"{drained_after:.1f} s",
+            f"after {drain_since}" if drained_after is not None else "not drained")
+        row("run time", f"{time.monotonic() - self.started:.0f} s",
+            f"workload {self.now():.0f} s")
+        self.say("")
+        self.say("Audit")
+        for ln in lines:
+            self.say(f"  {'PASS' if ln.ok else 'FAIL'}  {ln.what}")
+            self.say(f"        {ln.figures}")
+        fails = sum(not ln.ok for ln in lines)
+        self.say("")
+        if fails == 0:
+            self.say(f"PASS: every event took effect exactly once, in order, under "
+                     f"{sum(kinds.values())} faults (seed {a.seed}).")
+        else:
+            self.say(f"FAIL: {fails} of {len(lines)} audit lines failed (seed {a.seed}); "
+                     f"logs in {self.logs}")
+        return fails == 0
+
+    def cleanup(self, keep):
+        self.stop_flag.set()
+        if self.injector is not None:
+            self.injector.join()  # a fault thread must not start a server after this
+        for p in self.procs.values():
+            with contextlib.suppress(Exception):
+                p.daemon.kill()
+        self.emit_stop.set()
+        for e in self.emitters:
+            e.join(5)
+        if self.monitor:
+            self.monitor.stop.set()
+        for ln in self.listeners.values():
+            with contextlib.suppress(Exception):
+                ln.close()
+        if self.servers is not None or os.path.exists(os.path.join(self.svc_dir, "state.sh")):
+            self.say("stopping PostgreSQL and RabbitMQ ...")
+            H.stop_servers(self.svc_dir, quiet=True)
+        self.logfile.close()
+        self.faultlog.close()
+        if keep:
+            print(f"logs kept in {self.logs} (remove {self.work} when done)")
+        else:
+            shutil.rmtree(self.work, ignore_errors=True)
+
+
+def main(argv):
+    a = parse_args(argv)
+    if os.geteuid() != 0:
+        sys.exit("chaos: run as root (the private PostgreSQL runs as user postgres)")
+    if not os.access(H.IDEM, os.X_OK):
+        sys.exit(f"chaos: {H.IDEM} not found: run make first (or make chaos)")
+    run = Run(a)
+    run.started = time.monotonic()
+
+    def on_signal(sig, frame):
+        run.stop_flag.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    ok = False
+    try:
+        ok = run.execute()
+    except Interrupted:
+        run.say("interrupted; stopping everything")
+    except Exception as e:
+        run.say(f"chaos: {type(e).__name__}: {e}")
+        import traceback
+        run.logfile.write(traceback.format_exc())
+    finally:
+        run.cleanup(keep=a.keep or not ok)
+        print(f"seed {a.seed}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
