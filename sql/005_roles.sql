@@ -61,6 +61,9 @@ BEGIN
         GRANT SELECT, DELETE ON event_outbox, consumed_events, idem_emitted_keys TO idem_operator;
         -- replay returns failed rows to pending
         GRANT UPDATE (status, attempts, next_attempt_at) ON event_outbox TO idem_operator;
+        -- retention locks the rows it deletes (FOR UPDATE SKIP LOCKED needs UPDATE on a column)
+        GRANT UPDATE (consumed_at) ON consumed_events TO idem_operator;
+        GRANT UPDATE (first_emitted_at) ON idem_emitted_keys TO idem_operator;
     END IF;
 END
 $$;
