@@ -198,7 +198,8 @@ static int handle(idem_consumer_t *c, delivery_t **ds, size_t n, attempt_t *a)
         if (ev.pg_lost || !idemp_pg_connected(c->pg))
             return idem_error_set(&a->err, IDEM_ERR_PG_LOST, "connection lost in a handler: %s",
                                   ev.detail);
-        if (o != IDEM_DONE) {
+        /* a statement that failed through idem_event_exec decides, whatever the handler says */
+        if (o != IDEM_DONE || ev.sqlstate[0] != '\0') {
             a->failed = d;
             a->outcome = o;
             snprintf(a->sqlstate, sizeof a->sqlstate, "%s", ev.sqlstate);

@@ -91,8 +91,12 @@ idem_outcome idem_event_exec(idem_event_t *ev, const char *sql, int nparams,
 {
     idem_error_t err = {0};
     int rc = idemp_pg_exec(ev->pg, sql, nparams, params, (idemp_rows_t **)out, &err);
-    if (rc == IDEM_OK)
+    if (rc == IDEM_OK) {
+        /* a statement that runs means the transaction recovered (ROLLBACK TO SAVEPOINT) from
+         * any earlier failure: that one no longer decides */
+        ev->sqlstate[0] = '\0';
         return IDEM_DONE;
+    }
     if (rc == IDEM_ERR_PG_LOST)
         ev->pg_lost = true;
     snprintf(ev->sqlstate, sizeof ev->sqlstate, "%s", err.sqlstate);

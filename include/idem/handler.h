@@ -57,7 +57,8 @@ idem_outcome idem_event_fail(idem_event_t *ev, idem_outcome outcome, const char 
  * otherwise; *out is then NULL. Whatever the handler then returns, the consumer applies its
  * failure policy to the recorded SQLSTATE: 40001, 40P01, 55P03, 57014 retry; class 22, 23 and
  * P0001 reject; anything else (a read-only server, a missing table, a full disk, a lost
- * connection) pauses the consumer without spending a try.
+ * connection) pauses the consumer without spending a try. A later statement that succeeds (after
+ * a ROLLBACK TO SAVEPOINT the handler ran this way) clears the recorded failure.
  * Inside a batch, a statement without out may be queued (pipelined) and IDEM_DONE returned at
  * once; if it fails, the whole batch rolls back and every event is run again in a transaction of
  * its own, where this function reports the failure as above. Handlers therefore need no special

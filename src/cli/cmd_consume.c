@@ -162,14 +162,17 @@ int cmd_consume(int argc, char **argv, cli_global_t *g)
         fprintf(stderr, "idem consume: %s\n", err.text);
         return err.code == IDEM_ERR_INVALID ? CLI_EXIT_USAGE : CLI_EXIT_FAIL;
     }
-    rc = register_sql(c, &handlers);
-    if (rc == 0 && (handlers.n == 0 || bundled)) {
+    rc = 0;
+    if (handlers.n == 0 || bundled) {
         rc = billing_register(c);
         if (rc != IDEM_OK) {
             fprintf(stderr, "idem consume: cannot register handlers: %s\n", idem_strerror(rc));
             rc = CLI_EXIT_FAIL;
         }
     }
+    /* after the bundled ones: a --handler for one of their types replaces it */
+    if (rc == 0)
+        rc = register_sql(c, &handlers);
     if (rc != 0) {
         idem_consumer_free(c);
         return rc;

@@ -1,0 +1,2 @@
+build-dev/src/backoff.o: src/backoff.c src/backoff.h
+src/backoff.h:

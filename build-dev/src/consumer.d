@@ -1,0 +1,24 @@
+build-dev/src/consumer.o: src/consumer.c include/idem/consumer.h \
+ include/idem/error.h include/idem/handler.h \
+ /usr/include/postgresql/libpq-fe.h \
+ /usr/include/postgresql/postgres_ext.h \
+ /usr/include/postgresql/pg_config_ext.h include/idem/log.h src/clock.h \
+ src/consumer_int.h src/backoff.h src/envelope.h src/metrics.h src/pg.h \
+ src/registry.h src/rmq.h src/event.h src/fault.h
+include/idem/consumer.h:
+include/idem/error.h:
+include/idem/handler.h:
+/usr/include/postgresql/libpq-fe.h:
+/usr/include/postgresql/postgres_ext.h:
+/usr/include/postgresql/pg_config_ext.h:
+include/idem/log.h:
+src/clock.h:
+src/consumer_int.h:
+src/backoff.h:
+src/envelope.h:
+src/metrics.h:
+src/pg.h:
+src/registry.h:
+src/rmq.h:
+src/event.h:
+src/fault.h:

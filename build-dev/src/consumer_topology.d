@@ -1,0 +1,20 @@
+build-dev/src/consumer_topology.o: src/consumer_topology.c \
+ src/consumer_int.h include/idem/consumer.h include/idem/error.h \
+ include/idem/handler.h /usr/include/postgresql/libpq-fe.h \
+ /usr/include/postgresql/postgres_ext.h \
+ /usr/include/postgresql/pg_config_ext.h include/idem/log.h src/backoff.h \
+ src/envelope.h src/metrics.h src/pg.h src/registry.h src/rmq.h
+src/consumer_int.h:
+include/idem/consumer.h:
+include/idem/error.h:
+include/idem/handler.h:
+/usr/include/postgresql/libpq-fe.h:
+/usr/include/postgresql/postgres_ext.h:
+/usr/include/postgresql/pg_config_ext.h:
+include/idem/log.h:
+src/backoff.h:
+src/envelope.h:
+src/metrics.h:
+src/pg.h:
+src/registry.h:
+src/rmq.h:

@@ -1,0 +1,3 @@
+build-dev/src/envelope.o: src/envelope.c src/envelope.h src/uuid.h
+src/envelope.h:
+src/uuid.h:

@@ -1,0 +1,2 @@
+build-dev/src/policy.o: src/policy.c src/policy.h
+src/policy.h:

@@ -1,0 +1,10 @@
+build-dev/src/rmq_deliver.o: src/rmq_deliver.c include/idem/log.h \
+ src/clock.h src/rmq_int.h src/backoff.h src/rmq.h include/idem/error.h \
+ src/envelope.h
+include/idem/log.h:
+src/clock.h:
+src/rmq_int.h:
+src/backoff.h:
+src/rmq.h:
+include/idem/error.h:
+src/envelope.h:
