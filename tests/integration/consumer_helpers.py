@@ -1,9 +1,15 @@
 """Helpers shared by the consumer fault-path tests: small C programs built against the library,
 failure injection with triggers, and reading a consumer's log and memory."""
 
+import contextlib
 import os
 import re
+import select
+import socket
 import subprocess
+import threading
+import time
+import urllib.parse
 
 from conftest import IDEM, REPO
 
@@ -67,3 +73,85 @@ def vm_hwm_kib(pid):
             if line.startswith("VmHWM:"):
                 return int(line.split()[1])
     raise AssertionError(f"no VmHWM for pid {pid}")
+
+
+class FreezableProxy:
+    """A TCP proxy (threads) in front of host:port. freeze_existing() stops forwarding, both ways,
+    on every connection open at that moment, without closing any socket (a dead link: the peers
+    see silence, not a reset); connections made afterwards are forwarded normally."""
+
+    def __init__(self, host, port):
+        self.upstream = (host, port)
+        self.lsock = socket.socket()
+        self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.listen(16)
+        self.lsock.settimeout(0.2)
+        self.port = self.lsock.getsockname()[1]
+        self.lock = threading.Lock()
+        self.conns = []  # [client socket, upstream socket, frozen Event]
+        self.closing = threading.Event()
+        self.accepted = 0
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self):
+        while not self.closing.is_set():
+            try:
+                cli, _ = self.lsock.accept()
+            except OSError:
+                continue
+            try:
+                up = socket.create_connection(self.upstream, timeout=5)
+            except OSError:
+                cli.close()
+                continue
+            frozen = threading.Event()
+            with self.lock:
+                self.conns.append((cli, up, frozen))
+                self.accepted += 1
+            for a, b in ((cli, up), (up, cli)):
+                threading.Thread(target=self._pump, args=(a, b, frozen), daemon=True).start()
+
+    def _pump(self, src, dst, frozen):
+        while not self.closing.is_set():
+            if frozen.is_set():
+                time.sleep(0.05)  # neither read nor close: the bytes stay where they are
+                continue
+            try:
+                r, _, _ = select.select([src], [], [], 0.1)
+                if not r:
+                    continue
+                if frozen.is_set():
+                    continue
+                data = src.recv(65536)
+                if not data:
+                    break
+                dst.sendall(data)
+            except OSError:
+                break
+        if not frozen.is_set():
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def url(self, amqp_url):
+        u = urllib.parse.urlsplit(amqp_url)
+        return urllib.parse.urlunsplit(
+            u._replace(netloc=f"{u.username}:{u.password}@127.0.0.1:{self.port}"))
+
+    def freeze_existing(self):
+        with self.lock:
+            for _, _, frozen in self.conns:
+                frozen.set()
+            return len(self.conns)
+
+    def close(self):
+        self.closing.set()
+        self.thread.join(2)
+        with self.lock:
+            for cli, up, _ in self.conns:
+                for s in (cli, up):
+                    with contextlib.suppress(OSError):
+                        s.close()
+        self.lsock.close()
