@@ -18,7 +18,7 @@ import json
 import pytest
 
 from conftest import new_id
-from consumer_helpers import as_program, build_prog
+from consumer_helpers import as_program, build_prog, log_lines
 
 SUB_LOW = "00000000-0000-4000-8000-000000000001"
 SUB_MID = "80000000-0000-4000-8000-000000000002"
@@ -117,3 +117,67 @@ def test_swallowed_error_alone_is_retried_then_dead_lettered(db, queue, consumer
     assert db.query("SELECT event_id::text FROM it_applied") == [(after,)]
     assert broker.depth(queue) == 0
     assert dead_letters(queue).poll() == []
+
+
+@pytest.fixture
+def raiser(db):
+    """it_raise(code): raises SQLSTATE code while it_ctl.active; returns 1 otherwise."""
+    db.execute("""
+        CREATE TABLE it_ctl (active boolean NOT NULL); INSERT INTO it_ctl VALUES (true);
+        CREATE FUNCTION it_raise(code text) RETURNS int LANGUAGE plpgsql AS $$
+        BEGIN
+            IF (SELECT active FROM it_ctl) THEN
+                RAISE EXCEPTION 'it_raise: injected by the test' USING ERRCODE = code;
+            END IF;
+            RETURN 1;
+        END $$;
+    """)
+    return lambda on: db.execute("UPDATE it_ctl SET active = %s", on)
+
+
+def test_ignored_exec_failure_of_class_22_rejects(db, queue, consumers, broker, dead_letters,
+                                                  prog, raiser):
+    """idem/handler.h: after idem_event_exec reported a failure, "whatever the handler then
+    returns, the consumer applies its failure policy to the recorded SQLSTATE". A handler that
+    ignores a 22012 and returns IDEM_DONE: rejected at once (handler_rejected), not retried."""
+    c = swallow_consumer(consumers, prog, queue, db, max_retries=5).start()
+    eid = broker.publish_event("it.swallow_exec", json.dumps({"subscription_id": SUB_MID,
+                                                              "code": "22012"}))
+    letters = dead_letters(queue)
+    try:
+        letters.wait(1, timeout=5)
+    except AssertionError:
+        raise AssertionError(
+            "not dead-lettered at once: the recorded 22012 was not applied as a reject; tries "
+            f"so far {c.metric('idem_consumer_handler_errors_total'):.0f}:\n"
+            + "\n".join(log_lines(c, r"try \d+ failed|dead-lettered"))) from None
+    d = letters.got[0]
+    assert d.props.message_id == eid
+    assert d.error.startswith("handler_rejected: "), d.error
+    assert "22012" in d.error
+    assert c.metric("idem_consumer_handler_errors_total") == 1
+    assert c.stop() == 0
+    assert db.ledger() == []
+
+
+def test_ignored_exec_failure_of_a_pause_class_pauses(db, queue, consumers, broker, dead_letters,
+                                                      prog, raiser):
+    """The same handler ignoring a 25006 (read-only): Pause, whatever it returned: no try spent
+    (--max-retries 0 would dead-letter at the first), nothing dead-lettered; applied once after."""
+    c = swallow_consumer(consumers, prog, queue, db, max_retries=0).start()
+    eid = broker.publish_event("it.swallow_exec", json.dumps({"subscription_id": SUB_MID,
+                                                              "code": "25006"}))
+    letters = dead_letters(queue)
+    try:
+        c.wait_metric("idem_consumer_paused_total", 2, timeout=8, sqlstate="25006")
+    except AssertionError:
+        raise AssertionError(
+            "no pause on the recorded 25006; dead-lettered: "
+            f"{[d.error for d in letters.poll()]}:\n"
+            + "\n".join(log_lines(c, r"try \d+ failed|dead-lettered|paused"))) from None
+    assert letters.poll() == []
+    raiser(False)
+    c.wait_metric("idem_consumer_applied_total", 1, timeout=15)
+    assert c.stop() == 0
+    assert db.ledger() == [("swallow", eid)]
+    assert letters.poll() == []

@@ -5,6 +5,11 @@
  * Consumer name "swallow". Event types:
  *   it.swallow  takes the bare connection, runs a statement that fails (SELECT 1/0), ignores the
  *               error and returns IDEM_DONE: the transaction is aborted, so COMMIT cannot apply it.
+ *   it.swallow_exec
+ *               runs SELECT it_raise($1) through idem_event_exec, $1 being the payload's "code"
+ *               (the test's it_raise raises that SQLSTATE), ignores the failure it reports and
+ *               returns IDEM_DONE: the consumer must apply its failure policy to the recorded
+ *               SQLSTATE whatever the handler returns (idem/handler.h).
  *   it.apply    a well-behaved handler: one row in it_applied through idem_event_exec.
  * SIGTERM/SIGINT stop it after the batch in hand (exit 0). */
 #include <signal.h>
@@ -33,6 +38,18 @@ static idem_outcome on_swallow(idem_event_t *ev, void *userdata)
         return idem_event_fail(ev, IDEM_RETRY, "no connection");
     PGresult *res = PQexec(conn, "SELECT 1/0");
     /* the error (22012) is ignored on purpose */
+    PQclear(res);
+    return IDEM_DONE;
+}
+
+static idem_outcome on_swallow_exec(idem_event_t *ev, void *userdata)
+{
+    (void)userdata;
+    const char *code = json_string_value(json_object_get(idem_event_payload(ev), "code"));
+    const char *params[] = {code ? code : "22012"};
+    PGresult *res = NULL;
+    /* with out, the statement runs now (never queued); its outcome is ignored on purpose */
+    (void)idem_event_exec(ev, "SELECT it_raise($1)", 1, params, &res);
     PQclear(res);
     return IDEM_DONE;
 }
@@ -70,6 +87,7 @@ int main(int argc, char **argv)
         return 1;
     }
     if (idem_consumer_register(c, "it.swallow", on_swallow, NULL) != IDEM_OK ||
+        idem_consumer_register(c, "it.swallow_exec", on_swallow_exec, NULL) != IDEM_OK ||
         idem_consumer_register(c, "it.apply", on_apply, NULL) != IDEM_OK) {
         fprintf(stderr, "swallow_consumer: cannot register the handlers\n");
         idem_consumer_free(c);
