@@ -29,10 +29,21 @@ def proxy(servers):
     p.close()
 
 
+# How the 2 s heartbeat is asked for: the flag; the URL's heartbeat= query parameter; both, where
+# the flag wins over a URL asking for 600 s.
+HOW = {
+    "flag": (["--heartbeat", "2s"], ""),
+    "url": ([], "?heartbeat=2"),
+    "flag_wins": (["--heartbeat", "2s"], "?heartbeat=600"),
+}
+
+
+@pytest.mark.parametrize("how", list(HOW))
 def test_dead_link_noticed_by_heartbeat_and_reconnected(db, queue, consumers, broker, servers,
-                                                        dead_letters, proxy):
-    c = consumers("billing", queue, db, args=["--heartbeat", "2s"],
-                  env={"IDEM_AMQP_URL": proxy.url(servers.amqp_url)})
+                                                        dead_letters, proxy, how):
+    args, query = HOW[how]
+    c = consumers("billing", queue, db, args=args,
+                  env={"IDEM_AMQP_URL": proxy.url(servers.amqp_url) + query})
     subs = []
 
     def publish(n):
