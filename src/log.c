@@ -48,6 +48,64 @@ int idem_log_parse_format(const char *s, idem_log_format *out)
     return IDEM_OK;
 }
 
+/* Length of the valid UTF-8 sequence at s (at most n bytes), 0 if there is none. */
+static size_t utf8_len(const unsigned char *s, size_t n)
+{
+    unsigned char c = s[0];
+    size_t len;
+    unsigned char lo = 0x80, hi = 0xBF;
+    if (c < 0x80)
+        return 1;
+    if (c >= 0xC2 && c <= 0xDF)
+        len = 2;
+    else if (c >= 0xE0 && c <= 0xEF) {
+        len = 3;
+        lo = c == 0xE0 ? 0xA0 : 0x80;
+        hi = c == 0xED ? 0x9F : 0xBF;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+        len = 4;
+        lo = c == 0xF0 ? 0x90 : 0x80;
+        hi = c == 0xF4 ? 0x8F : 0xBF;
+    } else
+        return 0;
+    if (n < len || s[1] < lo || s[1] > hi)
+        return 0;
+    for (size_t i = 2; i < len; i++)
+        if (s[i] < 0x80 || s[i] > 0xBF)
+            return 0;
+    return len;
+}
+
+/* Copies in to out so that a line cannot be forged: control characters and bytes that are not
+ * UTF-8 become \xNN; in text, quotes and backslashes are escaped too (JSON escapes its own). */
+void idemp_log_escape(const char *in, char *out, size_t sz, bool text)
+{
+    const unsigned char *s = (const unsigned char *)in;
+    size_t n = strlen(in), o = 0;
+    for (size_t i = 0; i < n && o + 1 < sz;) {
+        size_t len = utf8_len(s + i, n - i);
+        if (len == 1 && s[i] >= 0x20 && s[i] != 0x7f) {
+            if (text && (s[i] == '"' || s[i] == '\\')) {
+                if (o + 3 > sz)
+                    break;
+                out[o++] = '\\';
+            }
+            out[o++] = (char)s[i++];
+        } else if (len > 1) {
+            if (o + len + 1 > sz)
+                break;
+            memcpy(out + o, s + i, len);
+            o += len;
+            i += len;
+        } else {
+            if (o + 5 > sz)
+                break;
+            o += (size_t)snprintf(out + o, sz - o, "\\x%02X", s[i++]);
+        }
+    }
+    out[o] = '\0';
+}
+
 static void timestamp(char *buf, size_t sz)
 {
     struct timespec ts;
@@ -72,18 +130,22 @@ void idem_log(idem_log_level level, const char *component, const char *const *kv
     free(raw);
     timestamp(ts, sizeof ts);
 
-    if (log_format == IDEM_LOG_JSON) {
+    bool text = log_format != IDEM_LOG_JSON;
+    char safe[4096];
+    idemp_log_escape(msg, safe, sizeof safe, text);
+    if (!text) {
         json_t *o = json_object();
         json_object_set_new(o, "ts", json_string(ts));
         json_object_set_new(o, "level", json_string(level_names[level]));
         json_object_set_new(o, "component", json_string(component));
-        json_object_set_new(o, "msg", json_string(msg));
+        json_object_set_new(o, "msg", json_string(safe));
         for (const char *const *p = kv; p != NULL && p[0] != NULL; p += 2) {
             if (p[1] == NULL)
                 continue;
-            char val[1024];
+            char val[1024], esc[2048];
             idemp_mask_line(p[1], val, sizeof val);
-            json_object_set_new(o, p[0], json_string(val));
+            idemp_log_escape(val, esc, sizeof esc, false);
+            json_object_set_new(o, p[0], json_string(esc));
         }
         char *line = json_dumps(o, JSON_COMPACT | JSON_PRESERVE_ORDER);
         if (line != NULL) {
@@ -92,16 +154,17 @@ void idem_log(idem_log_level level, const char *component, const char *const *kv
         }
         json_decref(o);
     } else {
-        char line[4096];
+        char line[8192];
         int n =
-            snprintf(line, sizeof line, "%s %-5s %s: %s", ts, level_names[level], component, msg);
+            snprintf(line, sizeof line, "%s %-5s %s: %s", ts, level_names[level], component, safe);
         for (const char *const *p = kv; p != NULL && p[0] != NULL && n < (int)sizeof line; p += 2) {
             if (p[1] == NULL)
                 continue;
-            char val[1024];
+            char val[1024], esc[2048];
             idemp_mask_line(p[1], val, sizeof val);
-            bool quote = strpbrk(val, " \"=") != NULL || *val == '\0';
-            n += snprintf(line + n, sizeof line - n, quote ? " %s=\"%s\"" : " %s=%s", p[0], val);
+            idemp_log_escape(val, esc, sizeof esc, true);
+            bool quote = strpbrk(esc, " \"=\\") != NULL || *esc == '\0';
+            n += snprintf(line + n, sizeof line - n, quote ? " %s=\"%s\"" : " %s=%s", p[0], esc);
         }
         fprintf(stderr, "%s\n", line);
     }

@@ -3,6 +3,7 @@
 #define IDEM_MASK_H
 
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stddef.h>
 
 /* Copies in to out (NUL-terminated, truncated to outsz) with every URL password
@@ -15,6 +16,10 @@ char *idemp_vformat(const char *fmt, va_list ap);
 /* One log or error line: newlines and tabs become spaces (a trailing one is dropped), secrets
  * are masked over the whole input, then the result is cut to outsz. */
 void idemp_mask_line(const char *in, char *out, size_t outsz);
+
+/* Copies in to out (truncated to sz) so that it cannot forge a log line: control characters and
+ * bytes that are not UTF-8 become \xNN; with text, quotes and backslashes are escaped too. */
+void idemp_log_escape(const char *in, char *out, size_t sz, bool text);
 
 /* "host:port" of a libpq conninfo or URI, for messages; libpq's defaults filled in. */
 void idemp_pg_where(const char *conninfo, char *out, size_t outsz);

@@ -1,0 +1,3 @@
+build-dev/tests/unit/test_envelope: tests/unit/test_envelope.c \
+ src/envelope.h
+src/envelope.h:
