@@ -10,7 +10,7 @@ SAN ?=
 VERSION := $(shell sed -n 's/.*define IDEM_VERSION "\(.*\)".*/\1/p' include/idem/idem.h)
 SOMAJOR := $(firstword $(subst ., ,$(VERSION)))
 
-PKGS := libpq librabbitmq jansson libmicrohttpd openssl
+PKGS := libpq librabbitmq jansson openssl
 PKG_CFLAGS = $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 PKG_LIBS = $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 
@@ -60,7 +60,8 @@ LIB_SRCS := \
 	src/status.c \
 	src/replay.c \
 	src/dlq.c \
-	src/metrics.c
+	src/metrics.c \
+	src/metrics_http.c
 
 HANDLER_SRCS := \
 	handlers/billing_payload.c \

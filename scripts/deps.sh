@@ -6,7 +6,7 @@ set -euo pipefail
 pkgs=(
   build-essential make pkg-config clang-format
   postgresql-15 postgresql rabbitmq-server
-  librabbitmq-dev libjansson-dev libcmocka-dev libpq-dev libmicrohttpd-dev libssl-dev
+  librabbitmq-dev libjansson-dev libcmocka-dev libpq-dev libssl-dev
   amqp-tools python3-pika python3-psycopg2 python3-pytest openssl valgrind
   faketime pgbouncer
 )

@@ -14,11 +14,10 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <microhttpd.h>
-
 #include <idem/idem.h>
 
 #include "metrics.h"
+#include "metrics_http.h"
 
 /* Upper bounds of idem_batch_duration_seconds, 1 ms to 10 s (+Inf is implicit). */
 static const double bucket_le[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
@@ -46,7 +45,7 @@ struct idemp_metrics {
     _Atomic size_t npaused;
     _Atomic uint64_t lag_buckets[NLAG + 1];
     _Atomic uint64_t lag_sum_ns, lag_count;
-    struct MHD_Daemon *daemon;
+    idemp_http_t *http;
 };
 
 idemp_metrics_t *idemp_metrics_new(idemp_role role)
@@ -80,8 +79,7 @@ void idemp_metrics_free(idemp_metrics_t *m)
 {
     if (m == NULL)
         return;
-    if (m->daemon != NULL)
-        MHD_stop_daemon(m->daemon); /* also closes the listen socket we handed it */
+    idemp_http_stop(m->http); /* also closes the listen socket */
     free(m);
 }
 
@@ -269,45 +267,9 @@ static void render(idemp_metrics_t *m, FILE *f)
                   NLAG, m->lag_buckets, &m->lag_sum_ns, &m->lag_count);
 }
 
-static enum MHD_Result reply(struct MHD_Connection *conn, unsigned int status, const char *ctype,
-                             char *body, size_t len)
+static void render_cb(void *ud, FILE *f)
 {
-    struct MHD_Response *r = MHD_create_response_from_buffer(len, body, MHD_RESPMEM_MUST_COPY);
-    if (r == NULL)
-        return MHD_NO;
-    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
-    enum MHD_Result ret = MHD_queue_response(conn, status, r);
-    MHD_destroy_response(r);
-    return ret;
-}
-
-static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url,
-                                  const char *method, const char *version, const char *upload_data,
-                                  size_t *upload_data_size, void **con_cls)
-{
-    idemp_metrics_t *m = cls;
-    static char not_found[] = "not found; try /metrics\n";
-    if (strcmp(method, MHD_HTTP_METHOD_GET) != 0 && strcmp(method, MHD_HTTP_METHOD_HEAD) != 0) {
-        static char bad_method[] = "only GET\n";
-        return reply(conn, MHD_HTTP_METHOD_NOT_ALLOWED, "text/plain", bad_method,
-                     sizeof bad_method - 1);
-    }
-    if (strcmp(url, "/metrics") != 0)
-        return reply(conn, MHD_HTTP_NOT_FOUND, "text/plain", not_found, sizeof not_found - 1);
-    char *buf = NULL;
-    size_t len = 0;
-    FILE *f = open_memstream(&buf, &len);
-    if (f == NULL)
-        return MHD_NO;
-    render(m, f);
-    if (fclose(f) != 0) {
-        free(buf);
-        return MHD_NO;
-    }
-    enum MHD_Result ret =
-        reply(conn, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", buf, len);
-    free(buf);
-    return ret;
+    render(ud, f);
 }
 
 int idemp_metrics_serve(idemp_metrics_t *m, const char *addr, int port, idem_error_t *err)
@@ -319,7 +281,7 @@ int idemp_metrics_serve(idemp_metrics_t *m, const char *addr, int port, idem_err
     if (port < 0 || port > 65535)
         return idem_error_set(err, IDEM_ERR_INVALID,
                               "cannot serve metrics on port %d: not a TCP port", port);
-    if (m->daemon != NULL)
+    if (m->http != NULL)
         return idem_error_set(err, IDEM_ERR_INVALID, "metrics are already being served");
     struct addrinfo hints, *ai = NULL;
     memset(&hints, 0, sizeof hints);
@@ -343,7 +305,7 @@ int idemp_metrics_serve(idemp_metrics_t *m, const char *addr, int port, idem_err
     }
     int one = 1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one); /* restart over TIME_WAIT */
-    if (bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || listen(fd, 64) != 0) {
+    if (bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || listen(fd, 512) != 0) {
         int e = errno;
         close(fd);
         freeaddrinfo(ai);
@@ -351,16 +313,10 @@ int idemp_metrics_serve(idemp_metrics_t *m, const char *addr, int port, idem_err
                               addr, strerror(e));
     }
     freeaddrinfo(ai);
-    m->daemon = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL, (uint16_t)port,
-                                 NULL, NULL, on_request, m, MHD_OPTION_LISTEN_SOCKET, fd,
-                                 MHD_OPTION_CONNECTION_LIMIT, (unsigned int)64,
-                                 MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)5, MHD_OPTION_END);
-    if (m->daemon == NULL) {
+    m->http = idemp_http_start(fd, render_cb, m, err);
+    if (m->http == NULL) {
         close(fd);
-        return idem_error_set(err, IDEM_ERR_IO,
-                              "cannot serve metrics on port %d at %s: libmicrohttpd failed to "
-                              "start",
-                              port, addr);
+        return err != NULL ? err->code : IDEM_ERR_IO;
     }
     return IDEM_OK;
 }

@@ -105,15 +105,15 @@ def test_pkg_config_requires_what_the_headers_use(staged):
     requires = staged.pkg_config("--print-requires", "idem").split()
     assert sorted(requires) == ["jansson", "libpq"]
     private = staged.pkg_config("--print-requires-private", "idem").split()
-    assert {"librabbitmq", "libmicrohttpd"} <= set(private)
+    assert {"librabbitmq", "openssl"} <= set(private)
     libs = staged.pkg_config("--libs", "idem")
     print(f"pkg-config --libs idem: {libs}")
     flags = libs.split()
     for want in ("-lidem", "-lpq", "-ljansson"):
         assert want in flags, f"{want} not in {libs!r}"
-    assert "-lrabbitmq" not in flags and "-lmicrohttpd" not in flags
+    assert "-lrabbitmq" not in flags and "-lssl" not in flags
     static = staged.pkg_config("--static", "--libs", "idem").split()
-    for want in ("-lidem", "-lpq", "-ljansson", "-lrabbitmq", "-lmicrohttpd"):
+    for want in ("-lidem", "-lpq", "-ljansson", "-lrabbitmq", "-lssl"):
         assert want in static, f"{want} not in pkg-config --static --libs idem"
     cflags = staged.pkg_config("--cflags", "idem").split()
     assert f"-I{staged.path('include')}" in cflags
