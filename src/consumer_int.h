@@ -32,6 +32,7 @@ typedef struct delivery {
     int tries; /* failed tries that count against --max-retries */
     int64_t due_ms;
     idemp_dl_code dl_code;
+    char last_state[6]; /* SQLSTATE of the last failed try, "" when none */
     char detail[512];
     size_t bytes; /* body bytes held */
 } delivery_t;

@@ -299,6 +299,7 @@ static run_result run(idem_consumer_t *c, delivery_t **ds, size_t n, bool single
             idemp_consumer_pause(c, a.sqlstate, d->detail);
             result = R_PAUSE;
         } else {
+            snprintf(d->last_state, sizeof d->last_state, "%s", a.sqlstate);
             settle_failure(c, d, p, d->detail);
         }
     } else { /* AT_COMMIT */
@@ -309,12 +310,19 @@ static run_result run(idem_consumer_t *c, delivery_t **ds, size_t n, bool single
             idemp_consumer_pause(c, a.err.sqlstate[0] ? a.err.sqlstate : "XX000", a.err.text);
             result = R_PAUSE;
         } else {
+            snprintf(d->last_state, sizeof d->last_state, "%s", a.err.sqlstate);
             settle_failure(c, d, p, a.err.text);
         }
     }
     free(a.claimed);
     free(a.stale);
     return result;
+}
+
+/* Did d's last try end on lock_timeout or statement_timeout (or a cancel)? */
+static bool timed_out(const delivery_t *d)
+{
+    return strcmp(d->last_state, "55P03") == 0 || strcmp(d->last_state, "57014") == 0;
 }
 
 /* Stable order for the batch transaction: by subscription, then delivery order, so that
@@ -340,11 +348,15 @@ void idemp_consumer_apply(idem_consumer_t *c, delivery_t **ds, size_t n, tx_coun
     const char *held = NULL;
     for (size_t i = 0; i < n; i++) {
         delivery_t *d = ds[i];
+        if (c->cfg.stop != NULL && *c->cfg.stop)
+            return; /* the rest stay unacked: the broker gives them to the next consumer */
         if (held != NULL && d->ev.subscription_id[0] && strcmp(held, d->ev.subscription_id) == 0)
             continue; /* stays as it was, behind the waiting one */
         held = NULL;
         if (run(c, &ds[i], 1, true, counts) == R_PAUSE)
             return;
+        if (d->state == D_WAIT && timed_out(d))
+            return; /* a lock or a statement timeout: the others would wait as long; next turn */
         if (d->state == D_WAIT && d->ev.subscription_id[0])
             held = d->ev.subscription_id;
     }
