@@ -22,6 +22,40 @@ static int bind_keys(idem_consumer_t *c, const char *target, bool exchange, idem
     return rc;
 }
 
+/* Does queue exist? IDEM_OK (*yes set) or a failure of the connection. */
+static int exists(idem_consumer_t *c, const char *queue, bool *yes, idem_error_t *err)
+{
+    idem_error_t e = {0};
+    int rc = idemp_amqp_declare_queue(c->in, queue, NULL, true, &e);
+    *yes = rc == IDEM_OK;
+    if (rc == IDEM_OK || rc == IDEM_ERR_NOT_FOUND)
+        return IDEM_OK;
+    if (err != NULL && err->code == 0)
+        *err = e;
+    return rc;
+}
+
+static int mismatch(idem_consumer_t *c, const char *declared, idem_error_t *err)
+{
+    return idem_error_set(err, IDEM_ERR_REFUSED,
+                          "%s is declared %s, this process has --partitions %d; every process of "
+                          "a group must use the same --partitions (to change it: drain, delete "
+                          "the old queues, start again)",
+                          c->queue, declared, c->cfg.partitions);
+}
+
+/* P = 1: QUEUE must not be partitioned already (QUEUE.p0 would go on receiving events). */
+static int check_not_partitioned(idem_consumer_t *c, idem_error_t *err)
+{
+    char *first = idemp_consumer_name("%s.p%d", c->queue, 0);
+    bool yes = false;
+    int rc = first ? exists(c, first, &yes, err) : IDEM_ERR_NOMEM;
+    free(first);
+    if (rc == IDEM_OK && yes)
+        rc = mismatch(c, "as a partitioned group (QUEUE.p0, ...)", err);
+    return rc;
+}
+
 /* P > 1: the partitions must be exactly p0..p<P-1>: p<P> must not exist, nor p0 without p<P-1>
  * (declare_partitions declares p0 last). */
 static int check_partition_count(idem_consumer_t *c, idem_error_t *err)
@@ -31,6 +65,17 @@ static int check_partition_count(idem_consumer_t *c, idem_error_t *err)
          *last = idemp_consumer_name("%s.p%d", c->queue, p - 1);
     char *first = idemp_consumer_name("%s.p%d", c->queue, 0);
     int rc = beyond && last && first ? IDEM_OK : IDEM_ERR_NOMEM;
+    bool single = false;
+    if (rc == IDEM_OK)
+        rc = exists(c, c->queue, &single, err);
+    if (rc == IDEM_OK && single)
+        rc = mismatch(c, "as a single queue (--partitions 1)", err);
+    if (rc != IDEM_OK) {
+        free(beyond);
+        free(last);
+        free(first);
+        return rc;
+    }
     idem_error_t e = {0};
     int more = rc == IDEM_OK ? idemp_amqp_declare_queue(c->in, beyond, NULL, true, &e) : rc;
     int has_first = more == IDEM_ERR_NOT_FOUND || more == IDEM_OK
@@ -91,6 +136,18 @@ static int declare_partitions(idem_consumer_t *c, const idemp_queue_spec_t *spec
     return rc;
 }
 
+/* QUEUE.dlq: a quorum queue, so that losing one node of a cluster does not take it away; one
+ * that exists already (of any type) is kept as it is. */
+static int declare_dlq(idem_consumer_t *c, idem_error_t *err)
+{
+    bool yes = false;
+    int rc = exists(c, c->dlq, &yes, err);
+    if (rc != IDEM_OK || yes)
+        return rc;
+    idemp_queue_spec_t dlq = {true, false, NULL, NULL};
+    return idemp_amqp_declare_queue(c->in, c->dlq, &dlq, false, err);
+}
+
 /* With --no-declare: everything used must exist already. */
 static int check_topology(idem_consumer_t *c, idem_error_t *err)
 {
@@ -110,15 +167,16 @@ int idemp_consumer_topology(idem_consumer_t *c, idem_error_t *err)
     if (c->cfg.no_declare) {
         rc = check_topology(c, err);
     } else {
-        idemp_queue_spec_t dlq = {false, false, NULL, NULL};
         idemp_queue_spec_t main = {true, c->cfg.partitions > 1, c->dlx, c->dlq};
         rc = idemp_amqp_declare_exchange(c->in, c->exchange, "topic", NULL, false, err);
         if (rc == IDEM_OK)
             rc = idemp_amqp_declare_exchange(c->in, c->dlx, "direct", NULL, false, err);
         if (rc == IDEM_OK)
-            rc = idemp_amqp_declare_queue(c->in, c->dlq, &dlq, false, err);
+            rc = declare_dlq(c, err);
         if (rc == IDEM_OK)
             rc = idemp_amqp_bind(c->in, c->dlq, c->dlx, c->dlq, err);
+        if (rc == IDEM_OK && c->cfg.partitions == 1)
+            rc = check_not_partitioned(c, err);
         if (rc == IDEM_OK && c->cfg.partitions == 1) {
             rc = idemp_amqp_declare_queue(c->in, c->queue, &main, false, err);
             if (rc == IDEM_OK)

@@ -10,6 +10,7 @@
 
 #include "clock.h"
 #include "envelope.h"
+#include "mask.h"
 #include "rmq.h"
 #include "uuid.h"
 
@@ -25,9 +26,24 @@ static char *dlq_name(const char *queue)
     return s;
 }
 
+/* A JSON string of bytes a hostile publisher chose: not UTF-8 (or holding NUL) becomes \xNN. */
+static json_t *text(const char *p, size_t len)
+{
+    json_t *v = memchr(p, '\0', len) == NULL ? json_stringn(p, len) : NULL;
+    if (v != NULL)
+        return v;
+    char raw[1024], esc[4096];
+    size_t n = len < sizeof raw - 1 ? len : sizeof raw - 1;
+    for (size_t i = 0; i < n; i++)
+        raw[i] = p[i] == '\0' ? '\x01' : p[i];
+    raw[n] = '\0';
+    idemp_log_escape(raw, esc, sizeof esc, false);
+    return json_string(esc);
+}
+
 static json_t *strn_or_null(idemp_str_t s)
 {
-    return s.ptr != NULL ? json_stringn_nocheck(s.ptr, s.len) : json_null();
+    return s.ptr != NULL ? text(s.ptr, s.len) : json_null();
 }
 
 /* One DLQ message as a JSON object: event_id, event_type, code, detail, age_seconds, requeued. */
@@ -49,10 +65,10 @@ static json_t *describe(const idemp_msg_t *m, int64_t now_ms)
         const char *d = colon + 1;
         while (d < e + elen && *d == ' ')
             d++;
-        json_object_set_new(o, "code", json_stringn_nocheck(e, (size_t)(colon - e)));
-        json_object_set_new(o, "detail", json_stringn_nocheck(d, (size_t)(e + elen - d)));
+        json_object_set_new(o, "code", text(e, (size_t)(colon - e)));
+        json_object_set_new(o, "detail", text(d, (size_t)(e + elen - d)));
     } else {
-        json_object_set_new(o, "code", e ? json_stringn_nocheck(e, elen) : json_null());
+        json_object_set_new(o, "code", e ? text(e, elen) : json_null());
         json_object_set_new(o, "detail", json_null());
     }
     uint64_t ts;

@@ -114,29 +114,3 @@ void idemp_mask_line(const char *in, char *out, size_t outsz)
     idemp_mask_secrets(flat, out, outsz);
     free(flat);
 }
-
-void idemp_pg_where(const char *conninfo, char *out, size_t outsz)
-{
-    const char *host = NULL, *port = NULL;
-    char *errmsg = NULL;
-    PQconninfoOption *opts = PQconninfoParse(conninfo ? conninfo : "", &errmsg);
-    if (opts != NULL) {
-        for (PQconninfoOption *p = opts; p->keyword; p++) {
-            if (strcmp(p->keyword, "host") == 0 && p->val && *p->val)
-                host = p->val;
-            else if (strcmp(p->keyword, "hostaddr") == 0 && p->val && *p->val && !host)
-                host = p->val;
-            else if (strcmp(p->keyword, "port") == 0 && p->val && *p->val)
-                port = p->val;
-        }
-    }
-    if (host == NULL)
-        host = getenv("PGHOST");
-    if (port == NULL)
-        port = getenv("PGPORT");
-    snprintf(out, outsz, "%s:%s", host && *host ? host : "localhost",
-             port && *port ? port : "5432");
-    if (opts != NULL)
-        PQconninfoFree(opts);
-    PQfreemem(errmsg);
-}

@@ -21,7 +21,4 @@ void idemp_mask_line(const char *in, char *out, size_t outsz);
  * bytes that are not UTF-8 become \xNN; with text, quotes and backslashes are escaped too. */
 void idemp_log_escape(const char *in, char *out, size_t sz, bool text);
 
-/* "host:port" of a libpq conninfo or URI, for messages; libpq's defaults filled in. */
-void idemp_pg_where(const char *conninfo, char *out, size_t outsz);
-
 #endif

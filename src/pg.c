@@ -13,6 +13,50 @@
 #include "mask.h"
 #include "pg_int.h"
 
+/* A connection that stayed up this long resets the reconnect backoff when it drops. */
+#define STABLE_MS 10000
+
+/* ---- where ------------------------------------------------------------------------------- */
+
+void idemp_pg_where(const char *conninfo, char *out, size_t outsz)
+{
+    const char *host = NULL, *port = NULL;
+    char *errmsg = NULL;
+    PQconninfoOption *opts = PQconninfoParse(conninfo ? conninfo : "", &errmsg);
+    for (PQconninfoOption *p = opts; p != NULL && p->keyword; p++) {
+        if (strcmp(p->keyword, "host") == 0 && p->val && *p->val)
+            host = p->val;
+        else if (strcmp(p->keyword, "hostaddr") == 0 && p->val && *p->val && !host)
+            host = p->val;
+        else if (strcmp(p->keyword, "port") == 0 && p->val && *p->val)
+            port = p->val;
+    }
+    if (host == NULL)
+        host = getenv("PGHOST");
+    if (port == NULL)
+        port = getenv("PGPORT");
+    host = host && *host ? host : "localhost";
+    port = port && *port ? port : "5432";
+    /* pair the lists: one port for every host, or one each */
+    size_t o = 0;
+    out[0] = '\0';
+    const char *h = host, *pt = port;
+    bool one_port = strchr(port, ',') == NULL;
+    while (*h != '\0' && o + 1 < outsz) {
+        size_t hl = strcspn(h, ","), pl = strcspn(pt, ",");
+        int w = snprintf(out + o, outsz - o, "%s%.*s:%.*s", o ? "," : "", (int)hl, h, (int)pl, pt);
+        if (w < 0 || (size_t)w >= outsz - o)
+            break;
+        o += (size_t)w;
+        h += hl + (h[hl] == ',');
+        if (!one_port && pt[pl] == ',')
+            pt += pl + 1;
+    }
+    if (opts != NULL)
+        PQconninfoFree(opts);
+    PQfreemem(errmsg);
+}
+
 /* ---- rows -------------------------------------------------------------------------------- */
 
 int idemp_rows_count(const idemp_rows_t *r)
@@ -94,8 +138,17 @@ void idemp_pg_disconnect(idemp_pg_t *pg, const char *reason)
         const char *kv[] = {"server", pg->where, NULL};
         idem_log(IDEM_LOG_WARN, pg->component, kv, "PostgreSQL connection dropped: %s", reason);
     }
+    bool was_connected = pg->conn != NULL;
     close_conn(pg);
-    pg->next_ms = idemp_now_ms();
+    int64_t now = idemp_now_ms();
+    if (was_connected && now - pg->connected_at >= STABLE_MS) {
+        idemp_backoff_reset(&pg->backoff); /* it had been up a while: try again at once */
+        pg->next_ms = now;
+    } else if (was_connected) {
+        /* it went down soon after coming up: keep backing off, not reconnect in a loop */
+        int64_t wait = idemp_backoff_next(&pg->backoff);
+        pg->next_ms = now + (wait < pg->backoff.base_ms ? pg->backoff.base_ms : wait);
+    }
 }
 
 void idemp_pg_free(idemp_pg_t *pg)
@@ -221,8 +274,10 @@ int idemp_pg_ensure(idemp_pg_t *pg, bool *reconnected, idem_error_t *err)
                               pg->where);
     idem_error_t e = {0};
     if (idemp_pg_connect(pg, &e) == IDEM_OK) {
-        idemp_backoff_reset(&pg->backoff);
-        const char *kv[] = {"server", pg->where, NULL};
+        pg->connected_at = now;
+        char at[300];
+        snprintf(at, sizeof at, "%s:%s", PQhost(pg->conn), PQport(pg->conn));
+        const char *kv[] = {"server", at, "tls", PQsslInUse(pg->conn) ? "on" : "off", NULL};
         idem_log(IDEM_LOG_INFO, pg->component, kv, "connected to PostgreSQL");
         if (reconnected != NULL)
             *reconnected = pg->was_up;

@@ -100,6 +100,10 @@ bool idemp_pgconn_ok(PGconn *conn); /* connected and usable */
 /* Runs a trusted multi-statement script (a migration file) as one simple query. */
 int idemp_pgconn_script(PGconn *conn, const char *sql, const char *what, idem_error_t *err);
 
+/* "host:port" of a libpq conninfo or URI for messages, libpq's defaults filled in; a multi-host
+ * conninfo gives "h1:p1,h2:p2". */
+void idemp_pg_where(const char *conninfo, char *out, size_t outsz);
+
 /* Array literals for uuid[]/text[]/bigint[] parameters, built by appending elements. */
 typedef struct idemp_pgarray {
     char *buf;

@@ -32,9 +32,10 @@ struct idemp_pg {
     idem_error_t perr;  /* first error of the pipeline */
     char last_tag[16];  /* command tag of the last statement that succeeded */
     idemp_backoff_t backoff;
-    int64_t next_ms; /* next connection attempt (monotonic) */
-    bool was_up;     /* connected at least once */
-    bool failing;    /* the last attempt failed (its reason was logged) */
+    int64_t next_ms;      /* next connection attempt (monotonic) */
+    bool was_up;          /* connected at least once */
+    int64_t connected_at; /* monotonic ms of the last successful connect */
+    bool failing;         /* the last attempt failed (its reason was logged) */
 };
 
 /* Sorts a failed result into query error or lost connection and fills err. */

@@ -376,6 +376,14 @@ int idem_relay_run(idem_relay_t *r, idem_error_t *err)
         }
         idemp_relay_update_gauge(r, false);
         idemp_pg_take_notifies(r->ctl);
+        if (r->reopen_amqp && oldest_inflight(r) == NULL) {
+            /* RabbitMQ can go on nacking a channel opened while a quorum queue elected its
+             * leader: a nack gets a fresh connection before the next batch */
+            r->reopen_amqp = false;
+            idemp_amqp_disconnect(r->amqp,
+                                  "a publish was nacked; reconnecting for a fresh channel");
+            continue;
+        }
         idem_error_t e = {0};
         bool busy = false;
         rc = turn(r, &busy, &e);

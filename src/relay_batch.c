@@ -348,6 +348,9 @@ int idemp_relay_commit(idem_relay_t *r, slot_t *sl, idem_error_t *err)
     }
     if (rc != IDEM_OK)
         return rc; /* the caller salvages or aborts every open batch */
+    for (size_t i = 0; i < sl->n; i++)
+        if (sl->rows[i].state == R_NACKED)
+            r->reopen_amqp = true;
     size_t n = sl->n;
     slot_done(sl);
     r->stats.published += sent;

@@ -68,6 +68,7 @@ struct idem_relay {
     size_t nsuspects;
     int64_t suspects_until;
     bool suspect_out; /* a suspect is published and waits for its confirm */
+    bool reopen_amqp; /* a batch was nacked: a fresh channel before the next claim */
     idem_relay_stats_t stats;
     volatile sig_atomic_t no_stop;
 };

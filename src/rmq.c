@@ -22,6 +22,7 @@
 #include "rmq_int.h"
 
 #define CONNECT_TIMEOUT_S 10
+#define STABLE_MS 10000 /* a connection up this long resets the backoff when it drops */
 #define DEFAULT_HEARTBEAT_S 30
 
 /* ---- the connection object ---------------------------------------------------------------- */
@@ -105,8 +106,18 @@ void idemp_amqp_disconnect(idemp_amqp_t *a, const char *reason)
         /* something went wrong: do not wait for close handshakes on a link that may be dead */
         a->connected = false;
     }
+    bool was_connected = a->conn != NULL;
     close_conn(a);
-    a->next_ms = idemp_now_ms();
+    int64_t now = idemp_now_ms();
+    if (was_connected && now - a->connected_at >= STABLE_MS) {
+        idemp_backoff_reset(&a->backoff); /* it had been up a while: try again at once */
+        a->next_ms = now;
+    } else if (was_connected) {
+        /* it went down soon after coming up (a refused declare, a node still electing): keep
+         * backing off instead of reconnecting in a loop */
+        int64_t wait = idemp_backoff_next(&a->backoff);
+        a->next_ms = now + (wait < a->backoff.base_ms ? a->backoff.base_ms : wait);
+    }
 }
 
 void idemp_amqp_free(idemp_amqp_t *a)
@@ -412,7 +423,7 @@ int idemp_amqp_ensure(idemp_amqp_t *a, bool confirms, bool *reconnected, idem_er
                               a->where);
     idem_error_t e = {0};
     if (idemp_amqp_connect(a, confirms, &e) == IDEM_OK) {
-        idemp_backoff_reset(&a->backoff);
+        a->connected_at = now;
         if (reconnected != NULL)
             *reconnected = a->was_up;
         a->was_up = true;

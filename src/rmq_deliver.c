@@ -190,15 +190,20 @@ char *idemp_msg_headers_json(const idemp_msg_t *m)
     if (p->_flags & AMQP_BASIC_HEADERS_FLAG) {
         for (int i = 0; i < p->headers.num_entries; i++) {
             const amqp_table_entry_t *e = &p->headers.entries[i];
-            if (!is_string(&e->value))
-                continue;
-            json_t *v = json_stringn(e->value.value.bytes.bytes, e->value.value.bytes.len);
-            if (v == NULL)
-                continue; /* not UTF-8: not representable as a JSON string */
+            json_t *v = NULL;
             char key[256];
             snprintf(key, sizeof key, "%.*s", (int)e->key.len, (const char *)e->key.bytes);
-            if (strlen(key) != e->key.len || json_object_set_new(o, key, v) != 0)
-                json_decref(v);
+            int64_t iv;
+            if (is_string(&e->value))
+                v = json_stringn(e->value.value.bytes.bytes, e->value.value.bytes.len);
+            else if (header_int(p, key, &iv))
+                v = json_integer(iv); /* x-idem-seq */
+            if (v == NULL)
+                continue; /* not UTF-8, or a kind JSON has no place for */
+            if (strlen(key) != e->key.len)
+                json_decref(v); /* a name with NUL inside */
+            else
+                json_object_set_new(o, key, v); /* steals v, also when it fails */
         }
     }
     char *s = json_dumps(o, JSON_COMPACT);

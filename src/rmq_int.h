@@ -32,6 +32,7 @@ struct idemp_amqp {
     idemp_backoff_t backoff;
     int64_t next_ms;
     bool was_up, failing;
+    int64_t connected_at; /* monotonic ms of the last successful connect */
 };
 
 struct idemp_msg {
