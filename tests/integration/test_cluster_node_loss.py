@@ -105,9 +105,8 @@ def test_node_loss_under_load(db, cluster, broker, tmp_path, request):
             if d.name not in on_victim:
                 continue
             log = d.log()
-            after = log[log.index("RabbitMQ connection dropped") if "RabbitMQ connection dropped"
-                        in log else 0:]
             assert "RabbitMQ connection dropped" in log, f"{d.name} logged no lost connection"
+            after = log[log.index("RabbitMQ connection dropped"):]
             servers_after = {w.split("=", 1)[1] for line in after.splitlines()
                              if "connected to RabbitMQ" in line
                              for w in line.split() if w.startswith("server=")}
