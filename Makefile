@@ -93,7 +93,8 @@ UNIT_TESTS := \
 	tests/unit/test_policy \
 	tests/unit/test_consumer_window \
 	tests/unit/test_relay_gap \
-	tests/unit/test_log
+	tests/unit/test_log \
+	tests/unit/test_envelope_suite
 
 LIB_OBJS := $(LIB_SRCS:%.c=$(BUILD)/%.o)
 HANDLER_OBJS := $(HANDLER_SRCS:%.c=$(BUILD)/%.o)
