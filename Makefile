@@ -124,10 +124,14 @@ $(BUILD)/libidem.so.$(SOMAJOR) $(BUILD)/libidem.so: $(BUILD)/libidem.so.$(VERSIO
 $(BUILD)/idem: $(CLI_OBJS) $(HANDLER_OBJS) $(BUILD)/libidem.a
 	$(CC) -o $@ $(CLI_OBJS) $(HANDLER_OBJS) $(BUILD)/libidem.a $(LDSAN) $(LDLIBS_ALL)
 
+# A unit test links what it tests: its own objects below, and from the static library only the
+# members it references.
+UNIT_OBJS_test_args := $(BUILD)/src/cli/args.o
+UNIT_OBJS_test_billing_payload := $(BUILD)/handlers/billing_payload.o
+
 $(BUILD)/tests/unit/%: tests/unit/%.c $(HANDLER_OBJS) $(CLI_OBJS) $(BUILD)/libidem.a
 	@mkdir -p $(dir $@)
-	$(CC) $(ALL_CFLAGS) -Isrc/cli -Ihandlers -o $@ $< \
-		$(filter-out $(BUILD)/src/cli/main.o,$(CLI_OBJS)) $(HANDLER_OBJS) $(BUILD)/libidem.a \
+	$(CC) $(ALL_CFLAGS) -Isrc/cli -Ihandlers -o $@ $< $(UNIT_OBJS_$*) $(BUILD)/libidem.a \
 		$(LDSAN) $(LDLIBS_ALL) -lcmocka
 
 unit: $(UNIT_BINS)

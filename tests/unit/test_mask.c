@@ -13,6 +13,7 @@
 #include <idem/error.h>
 
 #include "mask.h"
+#include "pg.h"
 #include "rmq.h"
 
 static char out[1024];
@@ -236,6 +237,11 @@ static void test_where_keyvalue(void **state)
     expect_where("host='quoted host' port=1", "quoted host:1");
     expect_where("", "localhost:5432");
     expect_where(NULL, "localhost:5432");
+    /* several hosts: each with its port, or the one port */
+    expect_where("host=a,b port=5", "a:5,b:5");
+    expect_where("host=a,b port=5,6", "a:5,b:6");
+    expect_where("postgresql://u@h1:5432,h2:6543/db?target_session_attrs=read-write",
+                 "h1:5432,h2:6543");
     /* unparseable: the defaults, not a crash */
     expect_where("host='unterminated", "localhost:5432");
     expect_where("nonsense", "localhost:5432");
