@@ -27,9 +27,8 @@ def fetch_state(conn, consumer):
         st["outbox"] = cur.fetchall()
         cur.execute("SELECT consumer, event_id::text FROM consumed_events")
         st["ledger"] = cur.fetchall()
-        cur.execute("SELECT event_id::text, xid::text, n FROM chaos.applied WHERE consumer = %s"
-                    " ORDER BY n", (consumer,))
-        st["applied"] = cur.fetchall()
+        cur.execute("SELECT subscription_id::text, event_id::text FROM chaos.effects ORDER BY n")
+        st["effects"] = cur.fetchall()
         cur.execute("SELECT subscription_id::text, step FROM dunning")
         st["dunning"] = dict(cur.fetchall())
         cur.execute("SELECT invoice_id::text, subscription_id::text, amount_cents, currency,"
@@ -98,30 +97,28 @@ def check_ledger(exp, st, consumer):
 
 
 def check_order(exp, st):
-    """Per subscription, the business events must be applied in emit order: in one transaction
-    together, or each in a transaction that claimed its events after the previous one's
-    (chaos.applied: the claim's transaction and insert order, logged by a trigger). A
-    transaction is placed by its first claim; it must not come back after another."""
-    xid_of = {}
-    first_n = {}
-    for event_id, xid, n in st["applied"]:
-        xid_of.setdefault(event_id, xid)
-        first_n.setdefault(xid, n)
+    """Per subscription, the business events must take effect in emit order: the handlers'
+    effects (dunning changes and revenue entries, numbered by a trigger as they are made;
+    chaos.effects) must name the subscription's events in the order they were emitted. A dunning
+    row is locked by each change, so this is the real order, whichever processes made them. (The
+    order of claims in the ledger is not: a consumer that waits on another's claim may have
+    claimed an event of another subscription first.)"""
+    seen = {}
+    for sub, event_id in st["effects"]:
+        order = seen.setdefault(sub, [])
+        if not order or order[-1] != event_id:  # invoice.paid: revenue, then the reset
+            order.append(event_id)
     bad = {}
     checked = 0
     for sub, events in exp.order.items():
-        prev, seen = None, set()
-        for i, e in enumerate(events):
-            x = xid_of.get(e)
-            if x is None:
-                continue  # not applied at all: the ledger line reports it
-            checked += 1
-            if x != prev:
-                if x in seen or (prev is not None and first_n[x] < first_n[prev]):
-                    bad.setdefault(sub, f"{sub}: event #{i + 1} ({exp.events[e][0]}) applied "
-                                        f"before an earlier one")
-                seen.add(x)
-                prev = x
+        pos = {e: i for i, e in enumerate(events)}
+        got = [e for e in seen.get(sub, []) if e in pos]
+        checked += len(got)
+        for a, b in zip(got, got[1:]):
+            if pos[b] <= pos[a]:
+                bad.setdefault(sub, f"{sub}: event #{pos[b] + 1} ({exp.events[b][0]}) took effect "
+                                    f"after #{pos[a] + 1}")
+                break
     ok = not bad and checked > 0
     fig = (f"{len(exp.order)} subscriptions, {checked} business events checked, "
            f"{len(bad)} subscriptions out of order")

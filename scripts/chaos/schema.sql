@@ -39,23 +39,33 @@ CREATE TRIGGER chaos_fault BEFORE INSERT OR UPDATE ON receipts
 CREATE TRIGGER chaos_fault BEFORE UPDATE ON event_outbox
     FOR EACH ROW EXECUTE FUNCTION chaos.fail_if_switched_on();
 
--- The order in which events were applied: every ledger row that commits, with the transaction
--- that claimed it and a global insert number. AFTER ROW triggers run at the end of the claim
--- statement, so a claim that had to wait for another transaction's claim is numbered after it.
-CREATE TABLE chaos.applied (
-    n        bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    consumer text   NOT NULL,
-    event_id uuid   NOT NULL,
-    xid      xid8   NOT NULL DEFAULT pg_current_xact_id()
+
+-- The order in which the handlers' effects were made, per subscription: every dunning change
+-- (with the event that made it) and every revenue entry, numbered as they happen. A dunning row
+-- is locked by each change, so for one subscription these numbers are the real order of effects,
+-- whichever processes made them.
+CREATE TABLE chaos.effects (
+    n               bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    subscription_id uuid NOT NULL,
+    event_id        uuid,
+    kind            text NOT NULL
 );
 
-CREATE FUNCTION chaos.log_applied() RETURNS trigger
+CREATE FUNCTION chaos.log_effect() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    INSERT INTO chaos.applied (consumer, event_id) VALUES (NEW.consumer, NEW.event_id);
+    IF TG_TABLE_NAME = 'dunning' THEN
+        INSERT INTO chaos.effects (subscription_id, event_id, kind)
+        VALUES (NEW.subscription_id, NEW.last_event_id, 'dunning');
+    ELSE
+        INSERT INTO chaos.effects (subscription_id, event_id, kind)
+        VALUES (NEW.subscription_id, NEW.event_id, 'revenue');
+    END IF;
     RETURN NULL;
 END
 $$;
 
-CREATE TRIGGER chaos_applied AFTER INSERT ON consumed_events
-    FOR EACH ROW EXECUTE FUNCTION chaos.log_applied();
+CREATE TRIGGER chaos_effect_dunning AFTER INSERT OR UPDATE ON dunning
+    FOR EACH ROW EXECUTE FUNCTION chaos.log_effect();
+CREATE TRIGGER chaos_effect_revenue AFTER INSERT ON revenue_entries
+    FOR EACH ROW EXECUTE FUNCTION chaos.log_effect();
