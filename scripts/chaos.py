@@ -364,6 +364,8 @@ class Run:
     def spawn(self, p, fault=None):
         p.daemon.set_fault(fault)
         p.instances += 1
+        # libpq's application_name: the audit can tell which instance made each effect
+        p.daemon.env["PGAPPNAME"] = f"idem-{p.name}-{p.instances}"
         with open(p.daemon.logpath, "a") as f:
             f.write(f"---- {p.name} instance {p.instances} at {self.now():.1f}s"
                     f"{' (IDEM_FAULT=' + fault + ')' if fault else ''}\n")

@@ -27,7 +27,8 @@ def fetch_state(conn, consumer):
         st["outbox"] = cur.fetchall()
         cur.execute("SELECT consumer, event_id::text FROM consumed_events")
         st["ledger"] = cur.fetchall()
-        cur.execute("SELECT subscription_id::text, event_id::text FROM chaos.effects ORDER BY n")
+        cur.execute("SELECT subscription_id::text, event_id::text, app, xid::text, n"
+                    " FROM chaos.effects ORDER BY n")
         st["effects"] = cur.fetchall()
         cur.execute("SELECT subscription_id::text, step FROM dunning")
         st["dunning"] = dict(cur.fetchall())
@@ -103,11 +104,12 @@ def check_order(exp, st):
     row is locked by each change, so this is the real order, whichever processes made them. (The
     order of claims in the ledger is not: a consumer that waits on another's claim may have
     claimed an event of another subscription first.)"""
-    seen = {}
-    for sub, event_id in st["effects"]:
+    seen, who = {}, {}
+    for sub, event_id, app, xid, n in st["effects"]:
         order = seen.setdefault(sub, [])
         if not order or order[-1] != event_id:  # invoice.paid: revenue, then the reset
             order.append(event_id)
+        who.setdefault(event_id, f"{app} xid {xid} n {n}")
     bad = {}
     checked = 0
     for sub, events in exp.order.items():
@@ -116,8 +118,8 @@ def check_order(exp, st):
         checked += len(got)
         for a, b in zip(got, got[1:]):
             if pos[b] <= pos[a]:
-                bad.setdefault(sub, f"{sub}: event #{pos[b] + 1} ({exp.events[b][0]}) took effect "
-                                    f"after #{pos[a] + 1}")
+                bad.setdefault(sub, f"{sub}: event #{pos[b] + 1} ({exp.events[b][0]}, {who[b]}) "
+                                    f"took effect after #{pos[a] + 1} ({who[a]})")
                 break
     ok = not bad and checked > 0
     fig = (f"{len(exp.order)} subscriptions, {checked} business events checked, "

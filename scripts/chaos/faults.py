@@ -275,7 +275,7 @@ class Injector:
         with self.run.admin_conn() as conn, conn.cursor() as cur:
             deadline = time.monotonic() + 2.0
             while True:
-                cur.execute(BACKENDS_SQL + " WHERE application_name = 'idem'"
+                cur.execute(BACKENDS_SQL + " WHERE application_name LIKE 'idem%'"
                             " AND datname = current_database()")
                 rows = cur.fetchall()
                 # A cancel only affects a running statement; a termination any session.
@@ -371,7 +371,7 @@ class Injector:
             with self.run.admin_conn() as conn, conn.cursor() as cur:
                 cur.execute(BACKENDS_SQL + " WHERE pid = ANY (pg_blocking_pids(%s))", (pid,))
                 blocking = cur.fetchall()
-                cur.execute(BACKENDS_SQL + " WHERE application_name = 'idem'"
+                cur.execute(BACKENDS_SQL + " WHERE application_name LIKE 'idem%'"
                             " AND wait_event_type = 'Lock'")
                 waiting = cur.fetchall()
         except psycopg2.Error:

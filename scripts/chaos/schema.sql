@@ -48,7 +48,9 @@ CREATE TABLE chaos.effects (
     n               bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     subscription_id uuid NOT NULL,
     event_id        uuid,
-    kind            text NOT NULL
+    kind            text NOT NULL,
+    app             text DEFAULT current_setting('application_name'),
+    xid             xid8 DEFAULT pg_current_xact_id()
 );
 
 CREATE FUNCTION chaos.log_effect() RETURNS trigger
