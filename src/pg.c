@@ -197,7 +197,7 @@ int idemp_pg_result_error(PGconn *conn, PGresult *res, const char *sql, idem_err
 static PGconn *open_conn(const char *conninfo, const char *where, idem_error_t *err)
 {
     const char *keys[] = {"connect_timeout",
-                          "application_name",
+                          "fallback_application_name",
                           "keepalives",
                           "keepalives_idle",
                           "keepalives_interval",
