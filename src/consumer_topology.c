@@ -103,6 +103,11 @@ static int check_partition_count(idem_consumer_t *c, idem_error_t *err)
     return rc;
 }
 
+static int by_name(const void *a, const void *b)
+{
+    return strcmp(*(char *const *)a, *(char *const *)b); /* unsigned bytes, like Erlang's */
+}
+
 static int declare_partitions(idem_consumer_t *c, const idemp_queue_spec_t *spec, idem_error_t *err)
 {
     int rc = check_partition_count(c, err);
@@ -124,15 +129,28 @@ static int declare_partitions(idem_consumer_t *c, const idemp_queue_spec_t *spec
         rc = bind_keys(c, c->hash_exchange, true, err);
     /* from the last partition to the first: whoever finds p0 finds all of them (processes of a
      * group starting together must not mistake a half-declared group for a smaller one) */
-    for (int i = c->cfg.partitions - 1; rc == IDEM_OK && i >= 0; i--) {
-        char *q = idemp_consumer_name("%s.p%d", c->queue, i);
-        if (q == NULL)
-            return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
-        rc = idemp_amqp_declare_queue(c->in, q, spec, false, err);
-        if (rc == IDEM_OK)
-            rc = idemp_amqp_bind(c->in, q, c->hash_exchange, "1", err);
-        free(q);
+    int p = c->cfg.partitions;
+    char **names = calloc((size_t)p, sizeof *names);
+    if (names == NULL)
+        return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+    for (int i = p - 1; rc == IDEM_OK && i >= 0; i--) {
+        names[i] = idemp_consumer_name("%s.p%d", c->queue, i);
+        rc = names[i] ? idemp_amqp_declare_queue(c->in, names[i], spec, false, err)
+                      : idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
     }
+    /* Bound in the byte order of the queue names (p0, p1, p10, p11, p2, ...): the hash exchange
+     * numbers its buckets in binding order and, when RabbitMQ restarts, numbers them again from
+     * the bindings sorted that way. Any other order would move subscriptions to other partitions
+     * at the restart, and their next events would overtake the earlier ones left in the old
+     * partition. Every process binds all P, in that order, so the bound ones are always a prefix
+     * of it whichever processes race; a binding that exists already changes nothing. */
+    if (rc == IDEM_OK)
+        qsort(names, (size_t)p, sizeof *names, by_name);
+    for (int i = 0; rc == IDEM_OK && i < p; i++)
+        rc = idemp_amqp_bind(c->in, names[i], c->hash_exchange, "1", err);
+    for (int i = 0; i < p; i++)
+        free(names[i]);
+    free(names);
     return rc;
 }
 
