@@ -1,9 +1,11 @@
 """Shared harness for programs that drive idem against real servers: the integration tests
-(tests/integration/conftest.py), the chaos audit (scripts/chaos.py) and the demo's queue probe.
+(tests/integration/conftest.py), the chaos audit (scripts/chaos.py), the demo (scripts/demo.py)
+and the benchmark (bench/bench.py).
 
 One copy of: polling and ports, the private servers of scripts/services.sh (start, stop, restart,
-rabbitmqctl), PostgreSQL access, RabbitMQ access (publish, passive declare, read a queue), a
-long-running build/idem process with its log in a file, and a Prometheus scrape.
+rabbitmqctl), PostgreSQL access, RabbitMQ access (publish, passive declare, purge, read a queue),
+a long-running build/idem process with its log in a file (and its CPU time and peak memory), a
+Prometheus scrape with counters kept across a daemon's restarts, and SVG charts through gnuplot.
 
 No pytest here: a failed expectation raises AssertionError, a missing server RuntimeError.
 Needs Debian's interpreter (/usr/bin/python3: pika, psycopg2).
@@ -35,14 +37,21 @@ USD = "USD"
 # ----------------------------------------------------------------------------- generic helpers
 
 
-def wait_until(pred, timeout=15.0, interval=0.05, what="condition"):
-    """Polls pred() until it returns a truthy value, which is returned; fails after timeout."""
+def wait_until(pred, timeout=15.0, interval=0.05, what="condition", daemons=()):
+    """Polls pred() until it returns a truthy value, which is returned; fails after timeout, or
+    as soon as one of daemons (Daemon objects that must stay up meanwhile) has exited."""
     deadline = time.monotonic() + timeout
     last = None
     while True:
         last = pred()
         if last:
             return last
+        for d in daemons:
+            if d.proc is not None and d.proc.poll() is not None:
+                what = what() if callable(what) else what
+                raise AssertionError(f"{d.name} exited with status {d.proc.returncode} while "
+                                     f"waiting for {what}; end of {d.logpath}:\n"
+                                     f"{d.log()[-2000:]}")
         if time.monotonic() >= deadline:
             what = what() if callable(what) else what
             raise AssertionError(f"timed out after {timeout:.1f}s waiting for {what} (last: {last!r})")
@@ -148,15 +157,26 @@ class Servers:
         u = urllib.parse.urlsplit(self.pg_url)
         return urllib.parse.urlunsplit(u._replace(path="/" + dbname))
 
+    def export(self, env=None):
+        """Sets IDEM_PG_URL, IDEM_AMQP_URL (and IDEM_SVC_DIR) in env (default os.environ), for
+        the tools that read them."""
+        env = os.environ if env is None else env
+        env["IDEM_PG_URL"] = self.pg_url
+        env["IDEM_AMQP_URL"] = self.amqp_url
+        if self.svc_dir:
+            env["IDEM_SVC_DIR"] = self.svc_dir
+        return env
 
-def start_servers(directory, durable=False, timeout=180):
-    """scripts/services.sh start DIR [--durable]; returns Servers, or raises RuntimeError (the
-    script's own messages went to stderr)."""
+
+def start_servers(directory, durable=False, timeout=180, stderr=None):
+    """scripts/services.sh start DIR [--durable]; returns Servers, or raises RuntimeError. The
+    script's own messages go to stderr (a file object; default: this process's stderr)."""
     args = [SERVICES, "start", directory] + (["--durable"] if durable else [])
     r = subprocess.run(args, stdout=subprocess.PIPE, text=True, timeout=timeout,
-                       stdin=subprocess.DEVNULL)
+                       stdin=subprocess.DEVNULL, stderr=stderr)
     if r.returncode != 0:
-        raise RuntimeError(f"scripts/services.sh start failed ({r.returncode}); see stderr above")
+        where = "above" if stderr is None else getattr(stderr, "name", "its log")
+        raise RuntimeError(f"scripts/services.sh start failed ({r.returncode}); see {where}")
     env = {}
     with open(r.stdout.strip()) as f:
         for word in f.read().split():
@@ -164,6 +184,15 @@ def start_servers(directory, durable=False, timeout=180):
                 k, v = word.split("=", 1)
                 env[k] = v
     return Servers(env["IDEM_PG_URL"], env["IDEM_AMQP_URL"], directory)
+
+
+def servers_from_env():
+    """The servers named by IDEM_PG_URL and IDEM_AMQP_URL (IDEM_SVC_DIR, when set, lets them be
+    restarted), or None when either URL is missing."""
+    pg, amqp = os.environ.get("IDEM_PG_URL"), os.environ.get("IDEM_AMQP_URL")
+    if not pg or not amqp:
+        return None
+    return Servers(pg, amqp, os.environ.get("IDEM_SVC_DIR") or None)
 
 
 def stop_servers(directory, timeout=120, quiet=False):
@@ -201,19 +230,56 @@ def run_idem(*args, pg_url=None, amqp_url=None, env=None, timeout=60):
 
 
 class Db:
-    """One database; every call opens its own short connection."""
+    """One database. By default every call opens its own short connection; with keep=True the
+    calls share one connection, opened on first use and opened again after it broke (a
+    program's sampling loop, or a benchmark's session settings). options / application_name /
+    connect_timeout are passed to psycopg2.connect."""
 
-    def __init__(self, url):
+    def __init__(self, url, keep=False, options=None, application_name=None, connect_timeout=5):
         self.url = url
+        self.keep = keep
+        self.kw = {"connect_timeout": connect_timeout}
+        if options:
+            self.kw["options"] = options
+        if application_name:
+            self.kw["application_name"] = application_name
+        self.conn = None
+
+    def _kept(self):
+        if self.conn is None or self.conn.closed:
+            self.conn = psycopg2.connect(self.url, **self.kw)
+            self.conn.autocommit = True
+        return self.conn
 
     @contextlib.contextmanager
     def connect(self, autocommit=True):
-        conn = psycopg2.connect(self.url, connect_timeout=5)
+        if self.keep:
+            conn = self._kept()
+            try:
+                conn.autocommit = autocommit
+                yield conn
+            except psycopg2.OperationalError:
+                self.close()  # broken: the next call connects again
+                raise
+            finally:
+                if self.conn is not None and not self.conn.closed and not autocommit:
+                    with contextlib.suppress(psycopg2.Error):
+                        self.conn.rollback()  # a no-op after the caller's commit
+                        self.conn.autocommit = True
+            return
+        conn = psycopg2.connect(self.url, **self.kw)
         conn.autocommit = autocommit
         try:
             yield conn
         finally:
             conn.close()
+
+    def close(self):
+        """Closes the kept connection (keep=True); the next call opens a new one."""
+        if self.conn is not None:
+            with contextlib.suppress(Exception):
+                self.conn.close()
+            self.conn = None
 
     def query(self, sql, *params):
         """All rows, as tuples."""
@@ -365,6 +431,31 @@ class Broker:
         with contextlib.suppress(Exception), self.channel() as ch:
             ch.queue_delete(queue=queue)
 
+    def purge_queue(self, queue):
+        """Removes the ready messages of queue; returns how many, or None if there is no such
+        queue."""
+        with self.channel() as ch:
+            try:
+                return ch.queue_purge(queue=queue).method.message_count
+            except pika.exceptions.ChannelClosedByBroker as e:
+                if e.reply_code != 404:
+                    raise
+                return None
+
+
+def wait_for_consumers(broker, queues, count=1, daemons=(), timeout=30):
+    """Waits until every queue in queues exists and has at least count consumers (0: exists),
+    e.g. until `idem consume` processes declared their topology and consume, so that what is
+    published next is routed. Fails early if one of daemons exits meanwhile."""
+    queues = list(queues)
+
+    def ready():
+        infos = broker.queue_infos(queues)
+        return all(i is not None and i[1] >= count for i in infos.values())
+
+    return wait_until(ready, timeout, 0.1,
+                      f"{count} consumer(s) on each of {', '.join(queues)}", daemons)
+
 
 # ----------------------------------------------------------------------------- daemons
 
@@ -388,10 +479,21 @@ class Daemon:
         self.new_session = new_session
         self.proc = None
         self.logfile = None
+        self.paused = False
 
     @property
     def fault(self):
         return self.env.get("IDEM_FAULT")
+
+    @property
+    def pid(self):
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def returncode(self):
+        """The exit status of the last process (negative: the signal that ended it), None
+        while it runs or before the first spawn."""
+        return self.proc.poll() if self.proc is not None else None
 
     def set_fault(self, fault):
         """IDEM_FAULT of the next spawn (None: none)."""
@@ -399,10 +501,15 @@ class Daemon:
         if fault:
             self.env["IDEM_FAULT"] = fault
 
-    def spawn(self):
+    def spawn(self, banner=None):
+        """Starts the process; banner, when given, is written to the log first (one line)."""
         assert not self.running(), "already running"
         self.close()
         self.logfile = open(self.logpath, "ab")
+        self.paused = False
+        if banner:
+            self.logfile.write(banner.rstrip("\n").encode() + b"\n")
+            self.logfile.flush()
         # new_session: a Ctrl-C on the terminal reaches the driver only, which stops the rest.
         self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL,
                                      stdout=self.logfile, stderr=subprocess.STDOUT,
@@ -423,6 +530,15 @@ class Daemon:
     def signal(self, sig):
         self.proc.send_signal(sig)
 
+    def pause(self):
+        """SIGSTOP (resume() or stop() continues it)."""
+        self.proc.send_signal(signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self):
+        self.proc.send_signal(signal.SIGCONT)
+        self.paused = False
+
     def wait_exit(self, timeout=15):
         try:
             return self.proc.wait(timeout)
@@ -430,16 +546,32 @@ class Daemon:
             raise AssertionError(f"{self.name} still running after {timeout}s:\n"
                                  f"{self.log()[-3000:]}")
 
-    def stop(self, timeout=15):
-        """SIGTERM and wait; returns the exit status."""
+    def stop(self, timeout=15, kill_after=False):
+        """SIGTERM and wait; returns the exit status. After timeout: AssertionError, or with
+        kill_after, SIGKILL (the status is then -9)."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+            if self.paused:
+                self.resume()
         try:
             return self.wait_exit(timeout)
+        except AssertionError:
+            if not kill_after:
+                raise
+            self.proc.kill()
+            return self.proc.wait(10)
         finally:
             self.close()
+
+    def cpu_seconds(self):
+        """User + system CPU time of the running process so far (None once it exited)."""
+        return proc_cpu_seconds(self.pid) if self.running() else None
+
+    def peak_rss_kib(self):
+        """Peak resident memory (VmHWM) of the running process (None once it exited)."""
+        return proc_peak_rss_kib(self.pid) if self.running() else None
 
     def kill(self):
         if self.proc is not None and self.proc.poll() is None:
@@ -452,6 +584,47 @@ class Daemon:
             with contextlib.suppress(Exception):
                 self.logfile.close()
             self.logfile = None
+
+
+def proc_cpu_seconds(pid):
+    """utime + stime of a process, from /proc/PID/stat; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            st = f.read()
+    except OSError:
+        return None
+    rest = st[st.rindex(")") + 2:].split()
+    return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")  # fields 14, 15
+
+
+def proc_peak_rss_kib(pid):
+    """VmHWM of a process, from /proc/PID/status; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def declare_consumer_topology(servers, queue, workdir, consumer="harness", args=(),
+                              timeout=30):
+    """Has `idem consume --queue QUEUE ARGS...` declare its own topology (the exchange, QUEUE with
+    its dead-letter exchange and queue, the bindings), waits until it consumes, and stops it:
+    the queue can then be filled before the consumer being measured starts, and it is exactly
+    what idem declares."""
+    d = Daemon(f"declare-{queue}", [IDEM, "consume", "--consumer", consumer, "--queue", queue,
+                                    *args], workdir, servers.pg_url, servers.amqp_url)
+    d.spawn()
+    try:
+        wait_for_consumers(Broker(servers.amqp_url), [queue], 1, [d], timeout)
+    finally:
+        rc = d.stop(kill_after=True)
+    if rc != 0:
+        raise AssertionError(f"idem consume (declaring {queue}) exited {rc} on SIGTERM:\n"
+                             f"{d.log()[-2000:]}")
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -485,3 +658,59 @@ def metric_sum(metrics, name, **labels):
         if all(have.get(k) == str(v2) for k, v2 in labels.items()):
             total += v
     return total
+
+
+class Counters:
+    """Counters of one daemon slot summed over its instances. A restarted process starts its
+    counters at 0: the last scrape of each instance is kept and added to the totals when the
+    instance goes away (retire()). names: {key: metric name}; a key's value is the sum of
+    that metric's samples (all labels)."""
+
+    def __init__(self, names):
+        self.names = dict(names)
+        self.base = {k: 0.0 for k in self.names}
+        self.last = {}
+
+    def scrape(self, port, timeout=2):
+        """Reads the running instance's counters; False if it did not answer."""
+        m = read_metrics(port, timeout)
+        if m is None:
+            return False
+        self.last = {k: metric_sum(m, name) for k, name in self.names.items()}
+        return True
+
+    def retire(self):
+        """The instance is gone: its last scrape joins the totals."""
+        for k, v in self.last.items():
+            self.base[k] += v
+        self.last = {}
+
+    def total(self, key):
+        return self.base[key] + self.last.get(key, 0.0)
+
+
+# ----------------------------------------------------------------------------- charts
+
+
+GNUPLOT = "/usr/bin/gnuplot"
+
+
+def have_gnuplot():
+    return os.access(GNUPLOT, os.X_OK)
+
+
+def gnuplot(script, cwd=None, timeout=60):
+    """Runs a gnuplot script (text; it sets its own terminal and output). Raises RuntimeError
+    with gnuplot's message if gnuplot is missing (Debian: gnuplot-nox) or fails."""
+    if not have_gnuplot():
+        raise RuntimeError(f"{GNUPLOT} not found (Debian package gnuplot-nox; make deps)")
+    r = subprocess.run([GNUPLOT], input=script, cwd=cwd, capture_output=True, text=True,
+                       timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"gnuplot failed ({r.returncode}): {r.stderr.strip()[-800:]}")
+    return r.stderr  # warnings, if any
+
+
+def gp_str(text):
+    """text as a gnuplot string literal (single quotes; no escapes are interpreted)."""
+    return "'" + str(text).replace("'", "''") + "'"
