@@ -171,9 +171,11 @@ bench: deps
 	$(MAKE) all
 	bench/run.sh
 
+# The demo: a billing scenario with crashes, then an exactly-once audit; draws
+# $(BUILD)/demo/timeline.svg. See scripts/demo.py --help.
 demo: deps
 	$(MAKE) all
-	scripts/demo.sh
+	/usr/bin/python3 scripts/demo.py --out $(BUILD)/demo
 
 # The chaos audit: the billing scenario at scale (>= 50,000 events) under injected faults, then
 # an exactly-once, in-order audit. SEED=n replays a run's scenario and fault plan; CHAOS_ARGS

@@ -8,7 +8,7 @@ pkgs=(
   postgresql-15 postgresql rabbitmq-server
   librabbitmq-dev libjansson-dev libcmocka-dev libpq-dev libssl-dev
   amqp-tools python3-pika python3-psycopg2 python3-pytest openssl valgrind
-  faketime pgbouncer
+  faketime pgbouncer gnuplot-nox
 )
 
 missing=()

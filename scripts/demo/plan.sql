@@ -53,7 +53,7 @@ FROM inv_plan p CROSS JOIN LATERAL generate_series(1, p.failures) AS k
 ORDER BY p.sub_no, p.invoice_id, k;
 
 -- Phase 2, session 3: the recovering subscriptions pay, over 3 s, once all their failures
--- have been consumed (demo.sh waits for that before starting the session).
+-- have been consumed (scripts/demo.py waits for that before starting the session).
 INSERT INTO demo.ops (session, tick, kind, invoice_id, attempt_no)
 SELECT 3, floor(random() * 30)::int, 'pay', invoice_id, NULL
 FROM inv_plan WHERE story = 'recovering' ORDER BY sub_no, invoice_id;
