@@ -167,9 +167,13 @@ valgrind: deps
 	$(MAKE) all
 	scripts/valgrind.sh 5000
 
+# The benchmark (bench/README.md): private durable servers, every figure beside its limit;
+# writes bench/results/latest.{md,json,svg}. BENCH_ARGS passes flags (e.g. BENCH_ARGS=--quick;
+# BENCH_QUICK=1 does the same). See /usr/bin/python3 bench/bench.py --help.
 bench: deps
 	$(MAKE) all
-	bench/run.sh
+	/usr/bin/python3 bench/bench.py --idem $(abspath $(BUILD))/idem \
+		--tools $(abspath $(BUILD))/bench $(BENCH_ARGS)
 
 # The demo: a billing scenario with crashes, then an exactly-once audit; draws
 # $(BUILD)/demo/timeline.svg. See scripts/demo.py --help.

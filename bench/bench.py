@@ -1,12 +1,17 @@
 #!/usr/bin/python3
 """bench.py - idem's benchmark: every figure measured in one run beside its limit.
 
-Run by bench/run.sh (`make bench`), which builds the tools, starts private durable PostgreSQL
-and RabbitMQ instances and exports IDEM_PG_URL, IDEM_AMQP_URL and IDEM_SVC_DIR. It can also be
-run by hand against such an instance (it truncates idem's tables and deletes its bench.* queues:
-never point it at data you keep):
+`make bench` runs it (as root, with Debian's /usr/bin/python3): it builds its tools
+(bench/Makefile: raw_publish, raw_consume, emit_rate), starts private PostgreSQL (durable
+defaults: fsync, synchronous_commit, full_page_writes on) and RabbitMQ instances in a temporary
+directory, measures, and always stops them. Servers, database and broker access, the idem
+daemons and their CPU and memory figures come from tests/harness/idem_harness.py.
 
-    . "$(scripts/services.sh start /tmp/b --durable)"; /usr/bin/python3 bench/bench.py [--quick]
+    /usr/bin/python3 bench/bench.py [--quick] [--only relay,claim] [--keep]
+    /usr/bin/python3 bench/bench.py --external   # the servers of IDEM_PG_URL, IDEM_AMQP_URL and
+        # IDEM_SVC_DIR (it truncates idem's tables and deletes its bench.* queues: never point
+        # it at data you keep)
+    /usr/bin/python3 bench/bench.py --chart bench/results/latest.json   # redraw a chart only
 
 Phases (all in one run, so the ratios compare figures taken under the same conditions):
   relay     backlog of --events pending rows over 500 subscriptions, drained by 1, 2, 4 relays;
@@ -32,7 +37,8 @@ idem, the recipe and the SQL limit; the raw tools time themselves with the same 
 Latency = commit time of the consumer's transaction (consumed_events row) - created_at of the
 outbox row (the start of the emitting transaction). Medians over --rounds rounds.
 
-Writes bench/results/latest.md and bench/results/latest.json; prints the table.
+Writes bench/results/latest.md, latest.json and latest.svg (each figure's ratio to its limit
+beside its target, drawn with gnuplot); prints the table.
 """
 import argparse
 import datetime
@@ -40,23 +46,34 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-
-import psycopg2
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "tests", "harness"))
+try:
+    import psycopg2
+    import idem_harness as H
+except ImportError as e:
+    sys.exit(f"bench: {e} (run with /usr/bin/python3; apt-get install python3-psycopg2 "
+             "python3-pika, or make deps)")
+import chart  # noqa: E402
 import loadgen  # noqa: E402
 
 PY = "/usr/bin/python3"
 T0 = time.monotonic()
-CHILDREN = set()
+CHILDREN = set()  # H.Daemon
+SERVERS = None  # H.Servers
+DB = None  # H.Db: one kept connection (autocommit)
+BROKER = None  # H.Broker
 
 
 class Failure(Exception):
@@ -83,8 +100,19 @@ def env_float(name, default):
 def parse_args():
     ap = argparse.ArgumentParser(description="idem benchmark (see the module docstring)")
     ap.add_argument("--quick", action="store_true",
+                    default=os.environ.get("BENCH_QUICK", "") not in ("", "0"),
                     help="small sizes, one round: checks that every piece runs (figures are "
-                         "not meaningful)")
+                         "not meaningful); also BENCH_QUICK=1")
+    ap.add_argument("--external", action="store_true",
+                    help="use the servers of IDEM_PG_URL, IDEM_AMQP_URL and IDEM_SVC_DIR "
+                         "(started with scripts/services.sh start DIR --durable) instead of "
+                         "private ones")
+    ap.add_argument("--keep", action="store_true",
+                    default=os.environ.get("BENCH_KEEP", "") not in ("", "0"),
+                    help="keep the private servers' directory (server logs, bench-logs/ with "
+                         "idem's output); also BENCH_KEEP=1")
+    ap.add_argument("--chart", metavar="JSON",
+                    help="only draw the chart of a results file (latest.json), beside it")
     ap.add_argument("--only", default=os.environ.get("BENCH_ONLY", ""),
                     help="comma-separated phases: relay,consumer,latency,claim (default all)")
     ap.add_argument("--events", type=int, default=env_int("BENCH_EVENTS", 100000))
@@ -125,11 +153,6 @@ def parse_args():
         a.claim_sent = min(a.claim_sent, 100000)
     a.relays = [int(x) for x in a.relays.replace(" ", ",").split(",") if x]
     a.only = set(x for x in a.only.replace(" ", ",").split(",") if x)
-    if not a.logs:
-        base = os.environ.get("IDEM_SVC_DIR") or "/tmp"
-        a.logs = os.path.join(base, "bench-logs")
-    os.makedirs(a.logs, exist_ok=True)
-    os.makedirs(a.out, exist_ok=True)
     return a
 
 
@@ -155,49 +178,30 @@ def check(msg):
 # ---------------------------------------------------------------------------- processes
 
 
-def spawn(args, name, env=None):
-    path = os.path.join(A.logs, name + ".log")
-    f = open(path, "ab")
-    f.write(f"\n=== {datetime.datetime.now().isoformat()} {shlex.join(args)}\n".encode())
-    f.flush()
-    p = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                         env=env, cwd=ROOT)
-    f.close()
-    p.bench_name = name
-    p.bench_log = path
-    CHILDREN.add(p)
-    return p
+def spawn(args, name):
+    """A daemon (H.Daemon) with its output appended to A.logs/NAME.log."""
+    d = H.Daemon(name, args, A.logs, SERVERS.pg_url, SERVERS.amqp_url,
+                 logpath=os.path.join(A.logs, name + ".log"))
+    d.spawn(banner=f"\n=== {datetime.datetime.now().isoformat()} {shlex.join(args)}")
+    CHILDREN.add(d)
+    return d
 
 
-def stop(p, timeout=20):
-    if p.poll() is None:
-        p.send_signal(signal.SIGTERM)
-        p.send_signal(signal.SIGCONT)  # in case it was paused
-        try:
-            p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            log(f"{p.bench_name} (pid {p.pid}) ignored SIGTERM for {timeout}s; killing it")
-            p.kill()
-            p.wait()
-    CHILDREN.discard(p)
-    return p.returncode
+def stop(d, timeout=20):
+    """SIGTERM (continuing it if paused), then SIGKILL after timeout; returns the exit status."""
+    rc = d.stop(timeout, kill_after=True)
+    if rc == -signal.SIGKILL:
+        log(f"{d.name} (pid {d.pid}) ignored SIGTERM for {timeout}s; killed it")
+    CHILDREN.discard(d)
+    return rc
 
 
 def stop_all():
-    for p in list(CHILDREN):
+    for d in list(CHILDREN):
         try:
-            stop(p, 5)
+            stop(d, 5)
         except Exception:
             pass
-
-
-def tail(path, n=15):
-    try:
-        with open(path, "rb") as f:
-            lines = f.read().decode(errors="replace").splitlines()
-        return "\n".join(lines[-n:])
-    except OSError:
-        return ""
 
 
 def run_json(args, timeout=300, name=None):
@@ -211,67 +215,36 @@ def run_json(args, timeout=300, name=None):
     return json.loads(lines[-1])
 
 
-def cpu_ticks(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        s = f.read()
-    rest = s[s.rindex(")") + 2:].split()
-    return int(rest[11]) + int(rest[12])  # utime + stime (fields 14, 15)
-
-
-def vmhwm_kib(pid):
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
 def note_rss(role, procs):
-    for p in procs:
-        if p.poll() is None:
-            v = vmhwm_kib(p.pid)
-            if v is not None:
-                sample(f"rss_kib.{role}", v)
+    for d in procs:
+        v = d.peak_rss_kib()
+        if v is not None:
+            sample(f"rss_kib.{role}", v)
 
 
 # ---------------------------------------------------------------------------- database
 
 
-class DB:
-    def __init__(self):
-        self.connect()
-
-    def connect(self):
-        self.conn = psycopg2.connect(os.environ.get("IDEM_PG_URL", ""))
-        self.conn.autocommit = True
-
-    def q(self, sql, args=None):
-        with self.conn.cursor() as cur:
-            cur.execute(sql, args)
-            return cur.fetchall() if cur.description else None
-
-    def one(self, sql, args=None):
-        rows = self.q(sql, args)
-        return rows[0][0] if rows else None
-
-    def close(self):
-        self.conn.close()
+def q(sql, args=None):
+    """Rows of sql on the kept connection ([] for a statement without rows)."""
+    with DB.connect() as conn, conn.cursor() as cur:
+        cur.execute(sql, args)
+        return cur.fetchall() if cur.description else []
 
 
-DBX = None
+def one(sql, args=None):
+    rows = q(sql, args)
+    return rows[0][0] if rows else None
 
 
 def truncate(*tables):
-    DBX.q("TRUNCATE " + ", ".join(tables))
+    q("TRUNCATE " + ", ".join(tables))
 
 
 def commit_rate(table, where, args=None):
     """(rows - rows of the first commit) / (last commit - first commit), from commit
     timestamps; returns (rate, rows, span_seconds)."""
-    row = DBX.q(f"""
+    row = q(f"""
         WITH t AS (SELECT pg_xact_commit_timestamp(xmin) AS ts FROM {table} WHERE {where})
         SELECT count(*), extract(epoch FROM max(ts) - min(ts)),
                count(*) FILTER (WHERE ts = (SELECT min(ts) FROM t))
@@ -304,11 +277,9 @@ def emit_backlog(n, run, checkpoint=True):
 
     def part(k):
         try:
-            c = psycopg2.connect(os.environ.get("IDEM_PG_URL", ""))
-            with c:
-                with c.cursor() as cur:
-                    cur.execute(EMIT_BACKLOG_SQL, dict(args, part=k))
-            c.close()
+            with H.Db(SERVERS.pg_url).connect(autocommit=False) as c, c.cursor() as cur:
+                cur.execute(EMIT_BACKLOG_SQL, dict(args, part=k))
+                c.commit()
         except Exception as e:
             errors.append(e)
 
@@ -319,28 +290,22 @@ def emit_backlog(n, run, checkpoint=True):
         x.join()
     if errors:
         raise Failure(f"emitting the backlog: {errors[0]}")
-    DBX.q("ANALYZE event_outbox")
+    q("ANALYZE event_outbox")
     if checkpoint:
-        DBX.q("CHECKPOINT")
+        q("CHECKPOINT")
     log(f"emitted {n} pending events ({run}) in {time.monotonic() - t:.1f}s")
 
 
 def pending_left():
-    return DBX.one("SELECT EXISTS (SELECT 1 FROM event_outbox WHERE status = 'pending')")
+    return one("SELECT EXISTS (SELECT 1 FROM event_outbox WHERE status = 'pending')")
 
 
 def wait_for(pred, timeout, what, procs=(), interval=0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        if pred():
-            return
-        for p in procs:
-            if p.poll() is not None:
-                raise Failure(f"{what}: {p.bench_name} exited {p.returncode} early; "
-                              f"log {p.bench_log}:\n{tail(p.bench_log)}")
-        if time.monotonic() > deadline:
-            raise Failure(f"{what}: not done within {timeout:.0f}s")
-        time.sleep(interval)
+    """H.wait_until, failing the phase (Failure) on a timeout or when one of procs exits."""
+    try:
+        H.wait_until(pred, timeout, interval, what, procs)
+    except AssertionError as e:
+        raise Failure(f"{what}: {e}") from None
 
 
 # ---------------------------------------------------------------------------- broker chores
@@ -350,12 +315,32 @@ def tool(name):
     return os.path.join(A.tools, name)
 
 
-def q_admin(queue, action):
-    return run_json([tool("raw_consume"), "--queue", queue, "--" + action], 60)
-
-
 def q_depth(queue):
-    return q_admin(queue, "depth")
+    """{"messages": ready messages, "consumers": n} of queue; messages -1 if it does not exist."""
+    info = BROKER.queue_info(queue)
+    return {"messages": -1, "consumers": 0} if info is None else \
+        {"messages": info[0], "consumers": info[1]}
+
+
+def q_purge(queue):
+    BROKER.purge_queue(queue)
+
+
+def q_delete(queue):
+    """Deletes a queue declared by idem consume and its dead-letter queue."""
+    BROKER.delete_queue(queue)
+    BROKER.delete_queue(queue + ".dlq")
+
+
+def declare_queue(queue, *binds):
+    """Has `idem consume` declare queue exactly as a consumer's (a quorum queue dead-lettering
+    through QUEUE.dlx to QUEUE.dlq; bound to the exchange for binds, or for the bundled
+    handlers' event types), so that every queue of the run is of the same kind."""
+    args = [a for b in binds for a in ("--bind", b)] + shlex.split(A.consumer_flags)
+    try:
+        H.declare_consumer_topology(SERVERS, queue, A.logs, consumer="bench-declare", args=args)
+    except AssertionError as e:
+        raise Failure(f"declaring {queue}: {e}") from None
 
 
 def fill_queue(queue, n, rk_type="payment.failed"):
@@ -366,9 +351,9 @@ def fill_queue(queue, n, rk_type="payment.failed"):
 
 
 def bind_sink():
-    """bench.sink: a durable quorum queue bound to payment.failed on the exchange, standing in
-    for the consumers' queue while nothing consumes (the relay publishes mandatory)."""
-    run_json([tool("raw_publish"), "--queue", "bench.sink", "--count", "0"], 60)
+    """bench.sink: a consumer's queue bound to payment.failed on the exchange, standing in for
+    the consumers' queue while nothing consumes (the relay publishes mandatory)."""
+    declare_queue("bench.sink", "payment.failed")
 
 
 # ---------------------------------------------------------------------------- idem
@@ -393,29 +378,27 @@ def consumer_cmd():
 
 def migrate():
     if have_idem():
-        r = subprocess.run(idem("migrate"), cwd=ROOT, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        r = H.run_idem("migrate", pg_url=SERVERS.pg_url, amqp_url=SERVERS.amqp_url, env={})
         if r.returncode != 0:
-            raise Failure("idem migrate failed: " + r.stdout.decode()[-500:])
+            raise Failure("idem migrate failed: " + (r.stdout + r.stderr)[-500:])
         return
     note(f"{A.idem} not found: applied sql/*.sql with psycopg2 so that the limits and the "
          "recipe still run; idem's own figures are n/a")
-    if DBX.one("SELECT to_regclass('event_outbox') IS NOT NULL"):
+    if one("SELECT to_regclass('event_outbox') IS NOT NULL"):
         return
     for f in sorted(os.listdir(os.path.join(ROOT, "sql"))):
         if f.endswith(".sql"):
             with open(os.path.join(ROOT, "sql", f)) as fh:
-                DBX.q(fh.read())
+                q(fh.read())
 
 
 def setup_server():
     """Durable defaults checked; commit timestamps and pg_stat_statements turned on (needs one
     restart, through scripts/services.sh)."""
-    global DBX
-    settings = dict(DBX.q("SELECT name, setting FROM pg_settings WHERE name IN "
-                          "('fsync','synchronous_commit','full_page_writes','wal_sync_method',"
-                          "'track_commit_timestamp','shared_preload_libraries','server_version',"
-                          "'shared_buffers','max_wal_size')"))
+    settings = dict(q("SELECT name, setting FROM pg_settings WHERE name IN "
+                      "('fsync','synchronous_commit','full_page_writes','wal_sync_method',"
+                      "'track_commit_timestamp','shared_preload_libraries','server_version',"
+                      "'shared_buffers','max_wal_size')"))
     for k in ("fsync", "synchronous_commit", "full_page_writes"):
         if settings.get(k) != "on":
             raise Failure(f"PostgreSQL runs with {k}={settings.get(k)}: the benchmark needs the "
@@ -423,25 +406,22 @@ def setup_server():
     need = settings.get("track_commit_timestamp") != "on" or \
         "pg_stat_statements" not in settings.get("shared_preload_libraries", "")
     if need:
-        svc = os.environ.get("IDEM_SVC_DIR")
-        if not svc:
+        if not SERVERS.svc_dir:
             raise Failure("track_commit_timestamp/pg_stat_statements are off and IDEM_SVC_DIR "
                           "is not set, so the server cannot be restarted to turn them on")
-        DBX.q("ALTER SYSTEM SET track_commit_timestamp = on")
-        DBX.q("ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'")
-        DBX.close()
-        for c in ("pg-stop", "pg-start"):
-            subprocess.run([os.path.join(ROOT, "scripts/services.sh"), c, svc], check=True,
-                           stdin=subprocess.DEVNULL)
-        DBX = DB()
-        DBX.q("ALTER SYSTEM SET pg_stat_statements.track = 'none'")
-        DBX.q("SELECT pg_reload_conf()")
+        q("ALTER SYSTEM SET track_commit_timestamp = on")
+        q("ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'")
+        DB.close()
+        SERVERS.pg_stop()
+        SERVERS.pg_start()
+        q("ALTER SYSTEM SET pg_stat_statements.track = 'none'")
+        q("SELECT pg_reload_conf()")
         log("PostgreSQL restarted with track_commit_timestamp=on, pg_stat_statements loaded")
-    DBX.q("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-    RES["server"] = dict(DBX.q("SELECT name, setting FROM pg_settings WHERE name IN "
-                               "('fsync','synchronous_commit','full_page_writes',"
-                               "'wal_sync_method','track_commit_timestamp','server_version',"
-                               "'shared_buffers','max_wal_size')"))
+    q("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+    RES["server"] = dict(q("SELECT name, setting FROM pg_settings WHERE name IN "
+                           "('fsync','synchronous_commit','full_page_writes',"
+                           "'wal_sync_method','track_commit_timestamp','server_version',"
+                           "'shared_buffers','max_wal_size')"))
 
 
 # ---------------------------------------------------------------------------- phase: relay
@@ -450,10 +430,10 @@ def setup_server():
 def phase_relay():
     n = A.events
     for qn in ("bench.consumer", "bench.recipe", "bench.raw"):
-        q_admin(qn, "delete")
+        q_delete(qn)
     bind_sink()
     for r in range(A.rounds):
-        q_admin("bench.sink", "purge")
+        q_purge("bench.sink")
         raw = run_json([tool("raw_publish"), "--count", str(n), "--window", str(A.batch),
                         "--subscriptions", str(A.subscriptions)], 300)
         sample("raw_publish", raw["rate"])
@@ -463,7 +443,7 @@ def phase_relay():
         for k in A.relays:
             truncate("event_outbox")
             emit_backlog(n, f"relay{k}-r{r}")
-            q_admin("bench.sink", "purge")
+            q_purge("bench.sink")
             procs = [spawn(relay_cmd(), f"relay{k}") for _ in range(k)]
             t = time.monotonic()
             wait_for(lambda: not pending_left(), max(60, n / 1000), f"{k} relay(s) draining",
@@ -484,13 +464,13 @@ def phase_relay():
     # the recipe: --rounds time-capped runs draining the head of one backlog of n rows
     truncate("event_outbox")
     emit_backlog(n, "recipe-relay")
-    DBX.q("CREATE INDEX bench_recipe_idx_outbox_pending ON event_outbox (created_at) "
-          "WHERE status = 'pending'")  # the recipe's own index (its step 1)
-    DBX.q("ANALYZE event_outbox")
+    q("CREATE INDEX bench_recipe_idx_outbox_pending ON event_outbox (created_at) "
+      "WHERE status = 'pending'")  # the recipe's own index (its step 1)
+    q("ANALYZE event_outbox")
     try:
         for r in range(A.rounds):
-            q_admin("bench.sink", "purge")
-            since = DBX.one("SELECT clock_timestamp()")
+            q_purge("bench.sink")
+            since = one("SELECT clock_timestamp()")
             out = run_json([PY, os.path.join(HERE, "recipe.py"), "relay", "--seconds",
                             str(A.recipe_seconds), "--batch", str(A.batch), "--drain"],
                            A.recipe_seconds + 120, "recipe.py relay")
@@ -499,39 +479,28 @@ def phase_relay():
             sample("recipe_relay", rate)
             log(f"round {r + 1}: recipe relay {rate:.0f} msg/s over {rows} rows ({out})")
     finally:
-        DBX.q("DROP INDEX IF EXISTS bench_recipe_idx_outbox_pending")
+        q("DROP INDEX IF EXISTS bench_recipe_idx_outbox_pending")
     truncate("event_outbox")
-    q_admin("bench.sink", "delete")
+    q_delete("bench.sink")
 
 
 # ---------------------------------------------------------------------------- phase: consumer
 
 
-def declare_consumer_queue():
-    """`idem consume` declares its own queue (quorum, with its dead-letter queue) and bindings:
-    start it once on an empty queue, wait until it consumes, stop it."""
-    p = spawn(consumer_cmd(), "consumer")
-    wait_for(lambda: q_depth("bench.consumer")["consumers"] >= 1, 30,
-             "idem consume declaring bench.consumer", [p], 0.2)
-    rc = stop(p)
-    if rc != 0:
-        check(f"idem consume exit code after SIGTERM (idle): {rc}")
-
-
 def consumed(consumer):
-    return DBX.one("SELECT count(*) FROM consumed_events WHERE consumer = %s", (consumer,))
+    return one("SELECT count(*) FROM consumed_events WHERE consumer = %s", (consumer,))
 
 
 def phase_consumer():
     n = A.events
-    q_admin("bench.sink", "delete")
-    q_admin("bench.raw", "declare")
+    q_delete("bench.sink")
+    declare_queue("bench.raw", "bench.raw")  # bound to a key nothing publishes
     if have_idem():
-        q_admin("bench.consumer", "purge")
-        declare_consumer_queue()
+        q_purge("bench.consumer")
+        declare_queue("bench.consumer")  # bound like the measured consumer's
     for r in range(A.rounds):
         # broker limit
-        q_admin("bench.raw", "purge")
+        q_purge("bench.raw")
         fill_queue("bench.raw", n)
         raw = run_json([tool("raw_consume"), "--queue", "bench.raw", "--count", str(n),
                         "--prefetch", "200", "--ack-every", "100"], 300)
@@ -539,7 +508,7 @@ def phase_consumer():
         log(f"round {r + 1}: raw consume+ack {raw['rate']:.0f} msg/s")
         # database limit
         truncate("consumed_events", "dunning")
-        DBX.q("CHECKPOINT")
+        q("CHECKPOINT")
         out = run_json([PY, os.path.join(HERE, "loadgen.py"), "dblimit", "--events", str(n),
                         "--per-tx", "100", "--consumer", "bench-db",
                         "--subscriptions", str(A.subscriptions)], 600, "loadgen.py dblimit")
@@ -550,9 +519,9 @@ def phase_consumer():
         # idem
         if have_idem():
             truncate("consumed_events", "dunning")
-            q_admin("bench.consumer", "purge")
+            q_purge("bench.consumer")
             fill_queue("bench.consumer", n)
-            DBX.q("CHECKPOINT")
+            q("CHECKPOINT")
             p = spawn(consumer_cmd(), "consumer")
             wait_for(lambda: consumed("bench") >= n, max(60, n / 1000), "idem consume draining",
                      [p], 0.2)
@@ -562,22 +531,22 @@ def phase_consumer():
                 check(f"idem consume exit code after SIGTERM: {rc}")
             rate, rows, span = commit_rate("consumed_events", "consumer = 'bench'")
             sample("consumer", rate)
-            steps = DBX.one("SELECT coalesce(sum(step), 0) FROM dunning")
+            steps = one("SELECT coalesce(sum(step), 0) FROM dunning")
             dlq = q_depth("bench.consumer.dlq")["messages"]
             left = q_depth("bench.consumer")["messages"]
             if rows != n or steps != n or dlq > 0 or left > 0:
                 check(f"round {r + 1}: consumer applied {rows}, dunning steps {steps}, "
                       f"dead-lettered {dlq}, left in queue {left}, for {n} events")
             log(f"round {r + 1}: idem consume {rate:.0f} events/s (commit timestamps)")
-    q_admin("bench.raw", "delete")
+    q_delete("bench.raw")
     # the recipe consumer: --rounds time-capped runs on one full queue
     truncate("consumed_events", "dunning")
-    q_admin("bench.recipe", "delete")
-    q_admin("bench.recipe", "declare")
+    q_delete("bench.recipe")
+    declare_queue("bench.recipe", "bench.recipe")
     fill_queue("bench.recipe", A.recipe_fill)
-    DBX.q("CHECKPOINT")
+    q("CHECKPOINT")
     for r in range(A.rounds):
-        since = DBX.one("SELECT clock_timestamp()")
+        since = one("SELECT clock_timestamp()")
         out = run_json([PY, os.path.join(HERE, "recipe.py"), "consume", "--queue",
                         "bench.recipe", "--seconds", str(A.recipe_seconds), "--consumer",
                         "recipe"], A.recipe_seconds + 120, "recipe.py consume")
@@ -585,7 +554,7 @@ def phase_consumer():
                                        "consumer = 'recipe' AND consumed_at >= %s", (since,))
         sample("recipe_consumer", rate)
         log(f"round {r + 1}: recipe consumer {rate:.0f} events/s over {rows} events ({out})")
-    q_admin("bench.recipe", "delete")
+    q_delete("bench.recipe")
     truncate("consumed_events", "dunning")
 
 
@@ -610,15 +579,15 @@ SELECT count(*), count(c.event_id),
 
 
 def run_consumed(run):
-    return DBX.q("SELECT count(o.*), count(c.event_id) FROM event_outbox o LEFT JOIN "
-                 "consumed_events c ON c.event_id = o.event_id AND c.consumer = 'bench' "
-                 "WHERE o.payload ->> 'bench_run' = %s", (run,))[0]
+    return q("SELECT count(o.*), count(c.event_id) FROM event_outbox o LEFT JOIN "
+             "consumed_events c ON c.event_id = o.event_id AND c.consumer = 'bench' "
+             "WHERE o.payload ->> 'bench_run' = %s", (run,))[0]
 
 
 def latency_of(run, procs):
     wait_for(lambda: (lambda t: t[0] > 0 and t[0] == t[1])(run_consumed(run)), 60,
              f"events of {run} applied", procs, 0.2)
-    emitted, applied, p50, p99, mx, r50, r99, rmx, rtx, ctx = DBX.q(LAT_SQL, (run,))[0]
+    emitted, applied, p50, p99, mx, r50, r99, rmx, rtx, ctx = q(LAT_SQL, (run,))[0]
     # relay_*: emit -> the relay's mark-sent commit (after the broker's confirm), a breakdown;
     # *_transactions: how many transactions marked them sent / applied them (batching)
     return {"events": emitted, "applied": applied, "p50": p50, "p99": p99, "max": mx,
@@ -630,9 +599,9 @@ def phase_latency():
     if not have_idem():
         return
     for qn in ("bench.sink", "bench.raw", "bench.recipe"):
-        q_admin(qn, "delete")
+        q_delete(qn)
     truncate("event_outbox", "consumed_events", "dunning")
-    DBX.q("CHECKPOINT")
+    q("CHECKPOINT")
     relay = spawn(relay_cmd(), "relay-daemon")
     cons = spawn(consumer_cmd(), "consumer-daemon")
     procs = [relay, cons]
@@ -668,14 +637,15 @@ def phase_latency():
                 "transactions)")
         # idle CPU
         time.sleep(2.0)
-        hz = os.sysconf("SC_CLK_TCK")
-        c0 = [cpu_ticks(p.pid) for p in procs]
+        c0 = [p.cpu_seconds() for p in procs]
         t = time.monotonic()
         time.sleep(A.idle_cpu_seconds)
-        c1 = [cpu_ticks(p.pid) for p in procs]
+        c1 = [p.cpu_seconds() for p in procs]
         secs = time.monotonic() - t
+        if None in c0 + c1:
+            raise Failure("the relay or the consumer exited while idle")
         for role, a, b in zip(("relay", "consumer"), c0, c1):
-            pct = (b - a) / hz / secs * 100
+            pct = (b - a) / secs * 100
             RES.setdefault("idle_cpu_pct", {})[role] = pct
             log(f"idle CPU {role}: {pct:.3f}% of a core over {secs:.1f}s")
         note_rss("relay", [relay])
@@ -684,7 +654,7 @@ def phase_latency():
         for p in procs:
             rc = stop(p)
             if rc != 0:
-                check(f"{p.bench_name} exit code after SIGTERM: {rc}")
+                check(f"{p.name} exit code after SIGTERM: {rc}")
 
 
 # ---------------------------------------------------------------------------- phase: claim
@@ -694,11 +664,11 @@ def bulk_load_sent(n):
     """n sent rows, fast: the table's indexes are dropped and rebuilt around the load in one
     transaction (the same definitions, read from the catalog)."""
     t = time.monotonic()
-    cons = DBX.q("SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint "
-                 "WHERE conrelid = 'event_outbox'::regclass AND contype IN ('p', 'u')")
-    idx = DBX.q("SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'public' AND "
-                "tablename = 'event_outbox' AND indexname NOT IN (SELECT conname FROM "
-                "pg_constraint WHERE conrelid = 'event_outbox'::regclass)")
+    cons = q("SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint "
+             "WHERE conrelid = 'event_outbox'::regclass AND contype IN ('p', 'u')")
+    idx = q("SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'public' AND "
+            "tablename = 'event_outbox' AND indexname NOT IN (SELECT conname FROM "
+            "pg_constraint WHERE conrelid = 'event_outbox'::regclass)")
     insert = """
         INSERT INTO event_outbox (event_id, subscription_id, event_type, payload, status,
                                   attempts, created_at, next_attempt_at, sent_at)
@@ -714,8 +684,7 @@ def bulk_load_sent(n):
                   FROM generate_series(1, %(n)s) i) x"""
     args = {"subs": loadgen.SUBSCRIPTIONS[:A.subscriptions], "nsubs": A.subscriptions, "n": n}
     try:
-        DBX.conn.autocommit = False
-        with DBX.conn.cursor() as cur:
+        with DB.connect(autocommit=False) as conn, conn.cursor() as cur:
             cur.execute("SET LOCAL maintenance_work_mem = '256MB'")
             for name, _ in cons:
                 cur.execute(f'ALTER TABLE event_outbox DROP CONSTRAINT "{name}"')
@@ -726,16 +695,13 @@ def bulk_load_sent(n):
                 cur.execute(f'ALTER TABLE event_outbox ADD CONSTRAINT "{name}" {d}')
             for name, d in idx:
                 cur.execute(d)
-        DBX.conn.commit()
+            conn.commit()
     except psycopg2.Error as e:
-        DBX.conn.rollback()
+        # DB.connect rolled the transaction back
         note(f"fast bulk load failed ({str(e).strip()}); inserting with the indexes in place")
-        DBX.conn.autocommit = True
-        DBX.q(insert, args)
-    finally:
-        DBX.conn.autocommit = True
-    DBX.q("VACUUM ANALYZE event_outbox")
-    DBX.q("CHECKPOINT")
+        q(insert, args)
+    q("VACUUM ANALYZE event_outbox")
+    q("CHECKPOINT")
     log(f"loaded {n} sent rows in {time.monotonic() - t:.1f}s")
 
 
@@ -755,7 +721,7 @@ def claim_stats():
     rows FOR UPDATE SKIP LOCKED. Per claim = their summed time / the fewest calls among them
     (the claims that found rows; an idle poll runs only the first step: counted in the sum,
     which errs on the slow side)."""
-    rows = DBX.q(CLAIM_STATS_SQL)
+    rows = q(CLAIM_STATS_SQL)
     stmts = [{"calls": c, "total_ms": t, "mean_ms": m, "mean_plan_ms": mp, "mean_exec_ms": me,
               "max_exec_ms": mx, "rows": rw, "query": " ".join(q.split())[:600]}
              for c, t, m, mx, rw, q, mp, me in rows]
@@ -794,17 +760,17 @@ def claim_rounds(label, tag):
         wait_for(lambda: not pending_left(), 60, "warm-up batch", [relay], 0.05)
         for r in range(A.rounds):
             time.sleep(0.5)  # idle: between polls, in no transaction that matters
-            os.kill(relay.pid, signal.SIGSTOP)
+            relay.pause()
             try:
                 emit_backlog(A.claim_pending, f"{tag}-{r}", checkpoint=False)
-                DBX.q("SELECT pg_stat_statements_reset()")
-                offset = os.path.getsize(relay.bench_log)
+                q("SELECT pg_stat_statements_reset()")
+                offset = os.path.getsize(relay.logpath)
             finally:
-                os.kill(relay.pid, signal.SIGCONT)
+                relay.resume()
             wait_for(lambda: not pending_left(), 60, "relay draining the claim backlog",
                      [relay], 0.02)
             st = claim_stats()
-            st["client_claim_ms"] = client_claim_ms(relay.bench_log, offset)
+            st["client_claim_ms"] = client_claim_ms(relay.logpath, offset)
             runs.append(st)
             cm = st["client_claim_ms"]
             log(f"claim ({label}, round {r + 1}): {st['per_batch_ms']:.3f} ms per claim on the "
@@ -823,9 +789,9 @@ def phase_claim():
     if not have_idem():
         return
     bind_sink()  # somewhere for the relay's messages to go
-    DBX.q("ALTER SYSTEM SET pg_stat_statements.track = 'all'")
-    DBX.q("ALTER SYSTEM SET pg_stat_statements.track_planning = on")
-    DBX.q("SELECT pg_reload_conf()")
+    q("ALTER SYSTEM SET pg_stat_statements.track = 'all'")
+    q("ALTER SYSTEM SET pg_stat_statements.track_planning = on")
+    q("SELECT pg_reload_conf()")
     time.sleep(0.2)
     try:
         truncate("event_outbox")
@@ -835,10 +801,10 @@ def phase_claim():
         RES["claim_full"] = claim_rounds(f"{A.claim_pending} pending, {A.claim_sent} sent rows",
                                          "claim-full")
     finally:
-        DBX.q("ALTER SYSTEM SET pg_stat_statements.track = 'none'")
-        DBX.q("ALTER SYSTEM SET pg_stat_statements.track_planning = off")
-        DBX.q("SELECT pg_reload_conf()")
-        q_admin("bench.sink", "delete")
+        q("ALTER SYSTEM SET pg_stat_statements.track = 'none'")
+        q("ALTER SYSTEM SET pg_stat_statements.track_planning = off")
+        q("SELECT pg_reload_conf()")
+        q_delete("bench.sink")
         truncate("event_outbox")
 
 
@@ -876,6 +842,7 @@ def build_rows():
             ok = None
         rows.append({"figure": figure, "value": value, "unit": unit, "compared_with": base_label,
                      "base": base, "base_unit": base_unit, "ratio": ratio, "target": target,
+                     "target_ratio": chart.target_ratio(target, base),
                      "pass": ok, "judged": ok_fn is not None})
 
     raw, rec = med("raw_publish"), med("recipe_relay")
@@ -965,6 +932,10 @@ def render(rows, meta):
                f"{c['recipe_seconds']:g} s. Latency: emit -> consumer commit, medians of "
                f"{c['lat_rounds']} round(s) of {c['lat_seconds']:g} s at {c['lat_rate']:g}/s "
                f"(max over all); idle: {c['idle_events']} events {c['idle_gap_ms']:g} ms apart.")
+    if meta.get("chart"):
+        out.append("")
+        out.append(f"![each figure as a ratio to its limit]({meta['chart']})")
+        out.append("")
     for n in RES["notes"]:
         out.append(f"- note: {n}")
     for n in RES["checks"]:
@@ -979,22 +950,101 @@ def load_avg():
         return " ".join(f.read().split()[:3])
 
 
+def write_results(rows, meta):
+    """latest.svg (the chart), latest.md and latest.json in A.out."""
+    doc = {"meta": meta, "rows": rows, "samples": RES["samples"],
+           "latency_idle": RES.get("latency_idle"), "idle_cpu_pct": RES.get("idle_cpu_pct"),
+           "claim_base": RES.get("claim_base"), "claim_full": RES.get("claim_full"),
+           "notes": RES["notes"], "checks": RES["checks"], "errors": RES["errors"]}
+    os.makedirs(A.out, exist_ok=True)
+    svg = os.path.join(A.out, "latest.svg")
+    try:
+        chart.draw(json.loads(json.dumps(doc, default=str)), svg + ".tmp")
+        os.replace(svg + ".tmp", svg)
+        meta["chart"] = "latest.svg"
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        log(f"chart not drawn: {e}")
+    md = render(rows, meta)
+    for name, text in (("latest.md", md), ("latest.json", json.dumps(doc, indent=2,
+                                                                      default=str) + "\n")):
+        tmp = os.path.join(A.out, name + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(A.out, name))
+    return md
+
+
+def redraw_chart(path):
+    """--chart JSON: draws the chart of an earlier run beside its results file."""
+    with open(path) as f:
+        doc = json.load(f)
+    svg = os.path.join(os.path.dirname(os.path.abspath(path)),
+                       os.path.splitext(os.path.basename(path))[0] + ".svg")
+    try:
+        chart.draw(doc, svg)
+    except RuntimeError as e:
+        sys.exit(f"bench: {e}")
+    print(svg)
+    return 0
+
+
+def start_servers():
+    """The servers to measure on: --external's, or private durable ones in a new temporary
+    directory (returned, to be removed at the end)."""
+    global SERVERS
+    if A.external:
+        SERVERS = H.servers_from_env()
+        if SERVERS is None:
+            sys.exit("bench: --external needs IDEM_PG_URL and IDEM_AMQP_URL (and IDEM_SVC_DIR)")
+        return None
+    work = tempfile.mkdtemp(prefix="idem-bench.")
+    os.chmod(work, 0o755)  # user postgres must reach the data directory below it
+    t = time.monotonic()
+    try:
+        SERVERS = H.start_servers(work, durable=True)
+    except RuntimeError as e:
+        H.stop_servers(work, quiet=True)
+        shutil.rmtree(work, ignore_errors=True)
+        sys.exit(f"bench: {e}")
+    log(f"servers up in {time.monotonic() - t:.0f} s ({work})")
+    return work
+
+
 def main():
-    global A, DBX
+    global A, DB, BROKER
     A = parse_args()
+    if A.chart:
+        return redraw_chart(A.chart)
+    if not A.external and os.geteuid() != 0:
+        sys.exit("bench: must run as root (scripts/services.sh runs PostgreSQL through runuser)")
+    H.IDEM = A.idem
+    r = subprocess.run(["make", "-s", "-C", HERE, "tools", f"OUT={A.tools}"],
+                       stdin=subprocess.DEVNULL)
+    if r.returncode != 0:
+        sys.exit("bench: building the tools (bench/Makefile) failed")
+    if not have_idem():
+        log(f"warning: {A.idem} not built; only the limits and the recipe will be measured")
 
     def on_term(sig, frame):
         raise KeyboardInterrupt(f"signal {sig}")
     signal.signal(signal.SIGTERM, on_term)
 
+    work = None
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "host": platform.node(), "cpus": os.cpu_count(), "load_start": load_avg(),
             "idem": A.idem, "have_idem": None}
-    log(f"load average {meta['load_start']}; logs in {A.logs}")
     phases = [("relay", phase_relay), ("consumer", phase_consumer),
               ("latency", phase_latency), ("claim", phase_claim)]
     try:
-        DBX = DB()
+        work = start_servers()
+        SERVERS.export()  # the tools (loadgen.py, recipe.py, raw_*, emit_rate) read them
+        if not A.logs:
+            A.logs = os.path.join(work or SERVERS.svc_dir or tempfile.gettempdir(),
+                                  "bench-logs")
+        os.makedirs(A.logs, exist_ok=True)
+        log(f"load average {meta['load_start']}; logs in {A.logs}")
+        DB = H.Db(SERVERS.pg_url, keep=True, application_name="idem-bench")
+        BROKER = H.Broker(SERVERS.amqp_url)
         setup_server()
         migrate()
         meta["have_idem"] = have_idem()
@@ -1010,32 +1060,31 @@ def main():
                 log(f"{name} failed: {e}")
                 RES["errors"].append(f"{name}: {e}")
                 stop_all()
+        meta["load_end"] = load_avg()
+        meta["duration_s"] = time.monotonic() - T0
+        meta["server"] = RES.get("server", {})
+        meta["config"] = {k: v for k, v in vars(A).items()
+                          if k not in ("only", "chart", "keep", "external")}
+        md = write_results(build_rows(), meta)
+        print(md)
+        log(f"wrote {os.path.join(A.out, 'latest.md')}, latest.json and "
+            f"{meta.get('chart', 'no chart')} in {meta['duration_s']:.0f}s")
+        return 1 if RES["errors"] else 0
     except KeyboardInterrupt:
         log("interrupted")
-        stop_all()
-        raise SystemExit(130)
+        return 130
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         stop_all()
-    meta["load_end"] = load_avg()
-    meta["duration_s"] = time.monotonic() - T0
-    meta["server"] = RES.get("server", {})
-    meta["config"] = {k: v for k, v in vars(A).items() if k not in ("only",)}
-    rows = build_rows()
-    md = render(rows, meta)
-    doc = {"meta": meta, "rows": rows, "samples": RES["samples"],
-           "latency_idle": RES.get("latency_idle"), "idle_cpu_pct": RES.get("idle_cpu_pct"),
-           "claim_base": RES.get("claim_base"), "claim_full": RES.get("claim_full"),
-           "notes": RES["notes"], "checks": RES["checks"], "errors": RES["errors"]}
-    os.makedirs(A.out, exist_ok=True)
-    for name, text in (("latest.md", md), ("latest.json", json.dumps(doc, indent=2,
-                                                                      default=str) + "\n")):
-        tmp = os.path.join(A.out, name + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, os.path.join(A.out, name))
-    print(md)
-    log(f"wrote {os.path.join(A.out, 'latest.md')} and latest.json in {meta['duration_s']:.0f}s")
-    return 1 if RES["errors"] else 0
+        if DB is not None:
+            DB.close()
+        if work:
+            H.stop_servers(work, quiet=True)
+            if A.keep:
+                log(f"kept {work}")
+            else:
+                shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
