@@ -1,3 +1,0 @@
-build-dev/src/envelope.o: src/envelope.c src/envelope.h src/uuid.h
-src/envelope.h:
-src/uuid.h:
