@@ -335,6 +335,7 @@ static int dead_letter(idem_consumer_t *c, delivery_t *d)
         return rc;
     }
     idemp_metrics_dead_letter(c->metrics, d->dl_code);
+    idemp_metrics_event(c->metrics, d->ev.event_type, IDEMP_OUT_DEAD_LETTERED);
     idemp_consumer_log(IDEM_LOG_WARN, c, d, "dead-lettered to %s: %s", c->dlq, reason);
     d->state = D_DONE;
     return IDEM_OK;
@@ -526,7 +527,17 @@ int idem_consumer_run(idem_consumer_t *c, idem_error_t *err)
         c->metrics = idemp_metrics_new(IDEMP_ROLE_CONSUMER);
         if (c->metrics == NULL)
             return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
-        int rc = idemp_metrics_serve(c->metrics, c->cfg.metrics_addr, c->cfg.metrics_port, err);
+        size_t nt = idemp_registry_count(c->reg);
+        const char **types = calloc(nt, sizeof *types);
+        if (types == NULL)
+            return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+        for (size_t i = 0; i < nt; i++)
+            types[i] = idemp_registry_type(c->reg, i);
+        int rc = idemp_metrics_event_types(c->metrics, types, nt);
+        free(types);
+        if (rc != IDEM_OK)
+            return idem_error_set(err, rc, "out of memory");
+        rc = idemp_metrics_serve(c->metrics, c->cfg.metrics_addr, c->cfg.metrics_port, err);
         if (rc != IDEM_OK)
             return rc;
     }

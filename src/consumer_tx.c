@@ -266,6 +266,8 @@ static run_result run(idem_consumer_t *c, delivery_t **ds, size_t n, bool single
                     counts->applied++;
                 else
                     counts->duplicates++;
+                idemp_metrics_event(c->metrics, d->handler->event_type,
+                                    a.claimed[i] ? IDEMP_OUT_APPLIED : IDEMP_OUT_DUPLICATE);
                 if (a.claimed[i] && d->ev.has_timestamp)
                     idemp_metrics_lag(c->metrics,
                                       (double)idemp_wall_us() / 1e6 - (double)d->ev.timestamp_s);

@@ -1,4 +1,4 @@
-/* metrics.c - the process's counters and the Prometheus /metrics endpoint (libmicrohttpd).
+/* metrics.c - the process's counters and the Prometheus /metrics endpoint (metrics_http.c).
  *
  * Writers (the consumer or relay loop) touch only C11 atomics; the HTTP thread reads them and
  * renders text format 0.0.4 on each scrape. Nothing is locked. */
@@ -24,6 +24,7 @@ static const double bucket_le[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                                    0.25,  0.5,    1.0,   2.5,  5.0,   10.0};
 #define NBUCKETS (sizeof bucket_le / sizeof bucket_le[0])
 #define PAUSED_MAX 64 /* distinct SQLSTATEs; later ones count under the last slot's "other" */
+#define TYPES_MAX 64  /* event types counted by name; the rest count as "other" */
 
 /* Upper bounds of idem_consumer_lag_seconds, 0.5 ms to 5 min. */
 static const double lag_le[] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,  0.25,
@@ -45,6 +46,10 @@ struct idemp_metrics {
     _Atomic size_t npaused;
     _Atomic uint64_t lag_buckets[NLAG + 1];
     _Atomic uint64_t lag_sum_ns, lag_count;
+    /* by event type: types[0..ntypes) are set before serving; index ntypes is "other" */
+    char *types[TYPES_MAX];
+    size_t ntypes;
+    _Atomic uint64_t by_type[TYPES_MAX + 1][IDEMP_OUT_COUNT];
     idemp_http_t *http;
 };
 
@@ -72,6 +77,9 @@ idemp_metrics_t *idemp_metrics_new(idemp_role role)
         atomic_init(&m->lag_buckets[i], 0);
     atomic_init(&m->lag_sum_ns, 0);
     atomic_init(&m->lag_count, 0);
+    for (size_t i = 0; i <= TYPES_MAX; i++)
+        for (size_t o = 0; o < IDEMP_OUT_COUNT; o++)
+            atomic_init(&m->by_type[i][o], 0);
     return m;
 }
 
@@ -80,6 +88,8 @@ void idemp_metrics_free(idemp_metrics_t *m)
     if (m == NULL)
         return;
     idemp_http_stop(m->http); /* also closes the listen socket */
+    for (size_t i = 0; i < m->ntypes; i++)
+        free(m->types[i]);
     free(m);
 }
 
@@ -95,6 +105,31 @@ void idemp_metrics_dead_letter(idemp_metrics_t *m, idemp_dl_code code)
     if (m == NULL || code <= IDEMP_DL_NONE || code >= IDEMP_DL_COUNT)
         return;
     atomic_fetch_add_explicit(&m->dead_letters[code], 1, memory_order_relaxed);
+}
+
+int idemp_metrics_event_types(idemp_metrics_t *m, const char *const *types, size_t n)
+{
+    if (m == NULL || m->http != NULL)
+        return IDEM_OK; /* the HTTP thread may be reading: set them before serving */
+    for (size_t i = 0; i < n && m->ntypes < TYPES_MAX; i++) {
+        if (types[i] == NULL || strcmp(types[i], "other") == 0)
+            continue;
+        m->types[m->ntypes] = strdup(types[i]);
+        if (m->types[m->ntypes] == NULL)
+            return IDEM_ERR_NOMEM;
+        m->ntypes++;
+    }
+    return IDEM_OK;
+}
+
+void idemp_metrics_event(idemp_metrics_t *m, const char *event_type, idemp_outcome outcome)
+{
+    if (m == NULL || outcome < 0 || outcome >= IDEMP_OUT_COUNT)
+        return;
+    size_t i = 0;
+    while (i < m->ntypes && (event_type == NULL || strcmp(m->types[i], event_type) != 0))
+        i++;
+    atomic_fetch_add_explicit(&m->by_type[i][outcome], 1, memory_order_relaxed);
 }
 
 void idemp_metrics_reconnect(idemp_metrics_t *m, idemp_server server)
@@ -208,6 +243,34 @@ static void histogram(FILE *f, const char *name, const char *help, const double 
     fprintf(f, "%s_count %llu\n", name, (unsigned long long)cum);
 }
 
+/* A label value in text format: backslash, double quote and newline escaped. */
+static void label_value(FILE *f, const char *v)
+{
+    for (; *v; v++) {
+        if (*v == '\\' || *v == '"')
+            fputc('\\', f);
+        if (*v == '\n')
+            fputs("\\n", f);
+        else
+            fputc(*v, f);
+    }
+}
+
+static void render_by_type(idemp_metrics_t *m, FILE *f)
+{
+    static const char *const outcome[IDEMP_OUT_COUNT] = {"applied", "duplicate", "dead_lettered"};
+    fprintf(f, "# HELP idem_consumer_events_total Deliveries settled, by event type (\"other\" for "
+               "types without a handler) and outcome.\n"
+               "# TYPE idem_consumer_events_total counter\n");
+    for (size_t i = 0; i <= m->ntypes; i++)
+        for (int o = 0; o < IDEMP_OUT_COUNT; o++) {
+            fputs("idem_consumer_events_total{event_type=\"", f);
+            label_value(f, i < m->ntypes ? m->types[i] : "other");
+            fprintf(f, "\",outcome=\"%s\"} %llu\n", outcome[o],
+                    (unsigned long long)ld(&m->by_type[i][o]));
+        }
+}
+
 static void render(idemp_metrics_t *m, FILE *f)
 {
     fprintf(f,
@@ -251,6 +314,7 @@ static void render(idemp_metrics_t *m, FILE *f)
         for (size_t i = 0; i < np; i++)
             fprintf(f, "idem_consumer_paused_total{sqlstate=\"%s\"} %llu\n", m->paused_state[i],
                     (unsigned long long)ld(&m->paused[i]));
+        render_by_type(m, f);
     }
     fprintf(f, "# HELP idem_reconnects_total Reconnections to a server after a lost or failed "
                "connection.\n# TYPE idem_reconnects_total counter\n");
@@ -295,8 +359,7 @@ int idemp_metrics_serve(idemp_metrics_t *m, const char *addr, int port, idem_err
         return idem_error_set(err, IDEM_ERR_INVALID,
                               "cannot serve metrics on %s: not a numeric IP address (%s)", addr,
                               gai_strerror(g));
-    /* We bind the socket ourselves so that a port in use is reported with the kernel's own
-     * reason (MHD_start_daemon only returns NULL). */
+    /* bound here, so that a port in use is reported with the kernel's own reason */
     int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) {
         freeaddrinfo(ai);

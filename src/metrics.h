@@ -1,9 +1,10 @@
-/* metrics.h - the process's counters and the Prometheus /metrics endpoint (libmicrohttpd).
+/* metrics.h - the process's counters and the Prometheus /metrics endpoint (metrics_http.c).
  * Every function accepts NULL metrics and then does nothing. Counters are atomic: the HTTP
  * server reads them from its own thread. */
 #ifndef IDEM_METRICS_H
 #define IDEM_METRICS_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include <idem/error.h>
@@ -24,6 +25,14 @@ typedef enum {
 
 typedef enum { IDEMP_SERVER_POSTGRES, IDEMP_SERVER_RABBITMQ } idemp_server;
 
+/* How a delivery settled, for idem_consumer_events_total{event_type,outcome}. */
+typedef enum {
+    IDEMP_OUT_APPLIED,
+    IDEMP_OUT_DUPLICATE,
+    IDEMP_OUT_DEAD_LETTERED,
+    IDEMP_OUT_COUNT
+} idemp_outcome;
+
 typedef struct idemp_metrics idemp_metrics_t;
 
 idemp_metrics_t *idemp_metrics_new(idemp_role role);
@@ -34,6 +43,11 @@ void idemp_metrics_free(idemp_metrics_t *m);
 
 void idemp_metrics_add(idemp_metrics_t *m, idemp_counter c, uint64_t n);
 void idemp_metrics_dead_letter(idemp_metrics_t *m, idemp_dl_code code);
+/* The event types counted by name (the registered ones, before serving; at most 64): any
+ * other type, e.g. a dead-lettered unknown one, counts as "other", so a hostile sender cannot
+ * grow the label set. Returns IDEM_OK or IDEM_ERR_NOMEM. */
+int idemp_metrics_event_types(idemp_metrics_t *m, const char *const *types, size_t n);
+void idemp_metrics_event(idemp_metrics_t *m, const char *event_type, idemp_outcome outcome);
 void idemp_metrics_reconnect(idemp_metrics_t *m, idemp_server server);
 /* The consumer paused on sqlstate (a 5-character SQLSTATE). */
 void idemp_metrics_paused(idemp_metrics_t *m, const char *sqlstate);

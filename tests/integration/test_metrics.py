@@ -86,6 +86,28 @@ def test_consumer_counts_applied_duplicates_dead_letters(db, queue, consumers, b
     assert value(m, "idem_batch_duration_seconds_count") >= 1
     assert value(m, "idem_reconnects_total", server="postgres") == 0
     assert value(m, "idem_reconnects_total", server="rabbitmq") == 0
+
+    # by event type: the registered types by name (a malformed delivery under the type it
+    # claims), anything else (an unknown type, whose name a sender chooses) as "other", so the
+    # label set cannot grow
+    broker.publish_event("invoice.paid", payload())
+    broker.publish_raw(b'{}', routing_key="payment.failed", message_id=new_id(),
+                       type="no.such.type")
+    c.wait_handled(5)
+    c.wait_metric("idem_consumer_dead_lettered_total", 1, code="unknown_type")
+    m = consumer_metrics(c)
+    ev = {(dict(labels)["event_type"], dict(labels)["outcome"]): v
+          for (name, labels), v in m["samples"].items() if name == "idem_consumer_events_total"}
+    assert m["types"]["idem_consumer_events_total"] == "counter"
+    assert ev[("payment.failed", "applied")] == 3
+    assert ev[("payment.failed", "duplicate")] == 1
+    assert ev[("invoice.paid", "applied")] == 1
+    assert ev[("payment.failed", "dead_lettered")] == 1  # the malformed one
+    assert ev[("other", "dead_lettered")] == 1  # the unknown type
+    assert ev[("receipt.requested", "applied")] == 0
+    assert {t for t, _ in ev} == {"payment.failed", "invoice.paid", "receipt.requested", "other"}
+    assert sum(v for (_, o), v in ev.items() if o == "applied") == value(
+        m, "idem_consumer_applied_total")
     assert c.stop() == 0
 
 
