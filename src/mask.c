@@ -39,11 +39,11 @@ static bool scheme_char(int ch)
 /* ---- URLs: scheme://user:SECRET@host... ----------------------------------------------------- */
 
 /* The end of the URL whose authority starts at in+i (just after "://"), for masking: the first
- * whitespace, or the scheme of the next URL of a comma-separated list. */
-static size_t url_end(const char *in, size_t i)
+ * whitespace (unless past_spaces), or the scheme of the next URL of a comma-separated list. */
+static size_t url_end(const char *in, size_t i, bool past_spaces)
 {
     size_t j = i;
-    for (; in[j] != '\0' && !isspace((unsigned char)in[j]); j++) {
+    for (; in[j] != '\0' && (past_spaces || !isspace((unsigned char)in[j])); j++) {
         if (in[j] == ':' && in[j + 1] == '/' && in[j + 2] == '/') {
             size_t s = j;
             while (s > i && scheme_char((unsigned char)in[s - 1]))
@@ -85,20 +85,22 @@ static bool hosts_only(const char *s, const char *e)
 /* Where the userinfo of the URL whose authority starts at in+i ends (its '@'), or 0 if it has
  * none. As URL parsers read it: the last '@' before the first '/', '?' or '#'. An authority
  * without '@' that is no host[:port] list (say "user:pa") may be "user:password" whose password
- * holds an unencoded '/', '?' or '#' (an invalid URL, so printed as given in an error): then the
- * last '@' of the whole URL ends it. */
+ * holds an unencoded '/', '?', '#' or space (an invalid URL, so printed as given in an error):
+ * then the last '@' before the next URL or the end of the text ends it. */
 static size_t userinfo_end(const char *in, size_t i)
 {
-    size_t end = url_end(in, i), auth = i, at = 0;
+    size_t end = url_end(in, i, false), auth = i, at = 0;
     while (auth < end && in[auth] != '/' && in[auth] != '?' && in[auth] != '#')
         auth++;
     for (size_t k = i; k < auth; k++)
         if (in[k] == '@')
             at = k;
-    if (at == 0 && !hosts_only(in + i, in + auth))
+    if (at == 0 && !hosts_only(in + i, in + auth)) {
+        end = url_end(in, i, true);
         for (size_t k = auth; k < end; k++)
             if (in[k] == '@')
                 at = k;
+    }
     return at;
 }
 

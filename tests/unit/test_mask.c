@@ -146,6 +146,10 @@ static void test_urls_with_unencoded_characters(void **state)
     expect_mask("invalid AMQP URL: amqp://u:pa/ss@h:5672", "invalid AMQP URL: amqp://u:***@h:5672");
     expect_mask("amqp://u:pa?ss@h/vh", "amqp://u:***@h/vh");
     expect_mask("amqp://u:pa#ss@h", "amqp://u:***@h");
+    /* and a space: the URL runs on to its last '@' */
+    expect_mask("invalid AMQP URL: amqp://u:pa ss/x@h:99999",
+                "invalid AMQP URL: amqp://u:***@h:99999");
+    expect_mask("amqp://u:pa ss@h1, amqp://v:w@h2", "amqp://u:***@h1, amqp://v:***@h2");
     expect_mask("amqp://u:a/b@h1,amqp://u:c#d@h2:5672/v", "amqp://u:***@h1,amqp://u:***@h2:5672/v");
     /* an unencoded ':' or '@' (the AMQP parser takes the last '@') */
     expect_mask("amqp://u:p:a@s@s@h/", "amqp://u:***@h/");
