@@ -282,8 +282,11 @@ static int ensure_amqp(idem_consumer_t *c, idem_error_t *err)
         }
         if (again)
             idemp_metrics_reconnect(c->metrics, IDEMP_SERVER_RABBITMQ);
-        const char *kv[] = {
-            "consumer", c->consumer, "queue", c->queue, "server", idemp_amqp_where(c->in), NULL};
+        const char *kv[] = {"consumer", c->consumer,
+                            "queue",    c->queue,
+                            "server",   idemp_amqp_where(c->in),
+                            "tls",      idemp_amqp_tls(c->in) ? "on" : "off",
+                            NULL};
         idem_log(IDEM_LOG_INFO, LOGC, kv, "connected to RabbitMQ, consuming %d queue%s", c->nqueues,
                  c->nqueues == 1 ? "" : "s");
     }

@@ -197,7 +197,10 @@ static int ensure_amqp(idem_relay_t *r, idem_error_t *err)
     }
     if (again)
         idemp_metrics_reconnect(r->metrics, IDEMP_SERVER_RABBITMQ);
-    const char *kv[] = {"server", idemp_amqp_where(r->amqp), "exchange", r->exchange, NULL};
+    const char *kv[] = {"server",   idemp_amqp_where(r->amqp),
+                        "exchange", r->exchange,
+                        "tls",      idemp_amqp_tls(r->amqp) ? "on" : "off",
+                        NULL};
     idem_log(r->cfg.once ? IDEM_LOG_DEBUG : IDEM_LOG_INFO, LOGC, kv,
              "connected to RabbitMQ, publishing with confirms");
     return IDEM_OK;

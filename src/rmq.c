@@ -13,6 +13,7 @@
 
 #include <amqp_ssl_socket.h>
 #include <amqp_tcp_socket.h>
+#include <openssl/err.h>
 #include <openssl/ssl.h>
 #include <openssl/x509_vfy.h>
 
@@ -54,7 +55,9 @@ idemp_amqp_t *idemp_amqp_new(const char *urls, const char *component, int heartb
         if (a->nurls == IDEMP_AMQP_URLS_MAX ||
             idemp_amqp_url_parse(tok, &a->urls[a->nurls]) != IDEM_OK) {
             /* the URL may hold a password: the error text is masked by idem_error_set */
-            idem_error_set(err, IDEM_ERR_INVALID, "invalid AMQP URL: %s", tok);
+            /* the whole list, not the piece: a ',' in a password would cut the URL in two and
+             * leave one half without its '@', unmasked */
+            idem_error_set(err, IDEM_ERR_INVALID, "invalid AMQP URL: %s", urls);
             free(copy);
             free(a);
             return NULL;
@@ -140,6 +143,11 @@ bool idemp_amqp_connected(const idemp_amqp_t *a)
 const char *idemp_amqp_where(const idemp_amqp_t *a)
 {
     return a->where;
+}
+
+bool idemp_amqp_tls(const idemp_amqp_t *a)
+{
+    return a->urls[a->cur].tls;
 }
 
 int idemp_amqp_socket(const idemp_amqp_t *a)
@@ -277,6 +285,36 @@ static void tcp_reason(const char *host, int port, int amqp_rc, char *out, size_
     freeaddrinfo(ai);
 }
 
+/* Why a TLS handshake failed, for the error line: librabbitmq 0.11 only says "SSL peer cert
+ * verification failed" or "a SSL error occurred". The first certificate error of the handshake
+ * (the callback runs in librabbitmq's SSL_VERIFY_NONE mode too, and changes nothing), else
+ * OpenSSL's last error, e.g. the server's "certificate required" alert. */
+static _Thread_local int tls_verify_error;
+
+static int remember_verify_error(int ok, X509_STORE_CTX *x)
+{
+    if (!ok && tls_verify_error == 0)
+        tls_verify_error = X509_STORE_CTX_get_error(x);
+    return ok;
+}
+
+static void tls_detail(const idemp_amqp_url_t *u, bool after_handshake, char *out, size_t sz)
+{
+    if (!u->tls)
+        return;
+    size_t n = strlen(out);
+    unsigned long e = ERR_peek_last_error();
+    if (tls_verify_error != 0)
+        snprintf(out + n, sz - n, ": %s", X509_verify_cert_error_string(tls_verify_error));
+    else if (e != 0 && ERR_reason_error_string(e) != NULL)
+        snprintf(out + n, sz - n, ": %s", ERR_reason_error_string(e));
+    else if (after_handshake && u->certfile[0] == '\0')
+        /* TLS 1.3: the broker's "certificate required" alert may arrive as a reset */
+        snprintf(out + n, sz - n,
+                 ": the broker closed the TLS link (does it require a client certificate? "
+                 "certfile=, keyfile=)");
+}
+
 /* A TLS socket per the URL's parameters; verification is on unless verify=verify_none. */
 static amqp_socket_t *tls_socket(idemp_amqp_t *a, const idemp_amqp_url_t *u, char *why,
                                  size_t whysz)
@@ -302,6 +340,9 @@ static amqp_socket_t *tls_socket(idemp_amqp_t *a, const idemp_amqp_url_t *u, cha
             return NULL;
         }
     }
+    tls_verify_error = 0;
+    ERR_clear_error();
+    SSL_CTX_set_verify(ctx, SSL_VERIFY_NONE, remember_verify_error);
     amqp_ssl_socket_set_verify_peer(sock, u->verify_peer);
     if (u->verify_peer && u->sni[0] != '\0') {
         /* verify the certificate against the given name instead of the host we dial */
@@ -336,6 +377,8 @@ static int connect_url(idemp_amqp_t *a, bool confirms, idem_error_t *err)
     int rc = amqp_socket_open_noblock(sock, u->host, u->port, &tv);
     if (rc != AMQP_STATUS_OK) {
         tcp_reason(u->host, u->port, rc, why, sizeof why);
+        if (rc != AMQP_STATUS_SSL_HOSTNAME_VERIFY_FAILED)
+            tls_detail(u, false, why, sizeof why);
         close_conn(a);
         return idem_error_set(err, IDEM_ERR_AMQP_CONNECT,
                               "cannot connect to RabbitMQ at %s: %s (tls=%s)", a->where, why,
@@ -357,6 +400,8 @@ static int connect_url(idemp_amqp_t *a, bool confirms, idem_error_t *err)
         if (r.reply_type == AMQP_RESPONSE_LIBRARY_EXCEPTION &&
             r.library_error == AMQP_STATUS_CONNECTION_CLOSED)
             snprintf(text, sizeof text, "login refused (ACCESS_REFUSED) for user '%s'", u->user);
+        else if (r.reply_type == AMQP_RESPONSE_LIBRARY_EXCEPTION)
+            tls_detail(u, true, text, sizeof text);
         close_conn(a);
         return idem_error_set(err, IDEM_ERR_AMQP_CONNECT,
                               "cannot connect to RabbitMQ at %s: %s (tls=%s)", a->where, text,

@@ -63,6 +63,7 @@ int64_t idemp_amqp_retry_in_ms(const idemp_amqp_t *a);
 void idemp_amqp_disconnect(idemp_amqp_t *a, const char *reason);
 bool idemp_amqp_connected(const idemp_amqp_t *a);
 const char *idemp_amqp_where(const idemp_amqp_t *a); /* "host:port" of the current node */
+bool idemp_amqp_tls(const idemp_amqp_t *a);          /* the current node's URL is amqps:// */
 int idemp_amqp_socket(const idemp_amqp_t *a);        /* -1 when not connected */
 int idemp_amqp_close_code(const idemp_amqp_t *a);    /* reply code of the last broker close */
 bool idemp_amqp_buffered(const idemp_amqp_t *a);     /* frames already read, not yet handled */

@@ -29,6 +29,8 @@ import idem_harness  # noqa: E402
 from idem_harness import (EXCHANGE, IDEM, REPO, SERVICES, USD, Broker, Db, Delivery,  # noqa: E402,F401
                           admin_exec, free_port, new_id, payload, read_metrics, metric_sum,
                           run_idem, start_servers, stop_servers, wait_until)
+# The TLS instance shared by test_tls_rabbitmq.py and test_tls_postgres.py (one per session).
+from tls_helpers import tls_db, tls_queues, tls_servers  # noqa: E402,F401
 
 def _sigterm_as_interrupt(signum, frame):
     # services.sh `with` forwards SIGTERM: tear fixtures down (servers, daemons) like on Ctrl-C.
