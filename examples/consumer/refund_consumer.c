@@ -17,8 +17,9 @@
 /* One statement, so the credit row and the balance commit with the claim of the event id. */
 #define SQL_CREDIT_REFUND                                                                          \
     "WITH credit AS ("                                                                             \
-    "  INSERT INTO refund_credits (refund_id, subscription_id, amount_cents, currency, event_id)"  \
-    "  VALUES ($1, $2, $3, $4, $5)) "                                                              \
+    "  INSERT INTO refund_credits (refund_id, subscription_id, amount_cents, currency, event_id,"  \
+    "                              traceparent)"                                                   \
+    "  VALUES ($1, $2, $3, $4, $5, $6)) "                                                          \
     "INSERT INTO credit_balances (subscription_id, currency, balance_cents) VALUES ($2, $4, $3) "  \
     "ON CONFLICT (subscription_id, currency) DO UPDATE "                                           \
     "SET balance_cents = credit_balances.balance_cents + EXCLUDED.balance_cents"
@@ -59,9 +60,13 @@ static idem_outcome on_refund_issued(idem_event_t *ev, void *userdata)
         return idem_event_fail(ev, IDEM_INVALID, "currency: not 3 letters");
     snprintf(cents, sizeof cents, "%" JSON_INTEGER_FORMAT, json_integer_value(amount));
 
-    const char *params[] = {refund_id, sub_id, cents, currency, idem_event_id(ev)};
+    /* the emitting request's trace context, carried as a message header (NULL when absent):
+     * stored with the effect here; a real service would also start its span under it */
+    const char *traceparent = idem_event_header(ev, "traceparent");
+
+    const char *params[] = {refund_id, sub_id, cents, currency, idem_event_id(ev), traceparent};
     /* in the claim's transaction; a transient SQLSTATE comes back as IDEM_RETRY */
-    return idem_event_exec(ev, SQL_CREDIT_REFUND, 5, params, NULL);
+    return idem_event_exec(ev, SQL_CREDIT_REFUND, 6, params, NULL);
 }
 
 int main(int argc, char **argv)

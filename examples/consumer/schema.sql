@@ -9,6 +9,7 @@ CREATE TABLE IF NOT EXISTS refund_credits (
     amount_cents    bigint NOT NULL,
     currency        text NOT NULL,
     event_id        uuid NOT NULL,
+    traceparent     text, -- the W3C trace context the emitting request carried, if any
     credited_at     timestamptz NOT NULL DEFAULT now()
 );
 

@@ -4,7 +4,11 @@
  * id is md5("refund:" || REQUEST_KEY)::uuid, and idem_emit collapses a replay into the same id.
  *
  *   cc emit_refund.c $(pkg-config --cflags --libs idem) -o emit_refund
- *   IDEM_PG_URL=... ./emit_refund SUBSCRIPTION_ID AMOUNT_CENTS CURRENCY REQUEST_KEY
+ *   IDEM_PG_URL=... [TRACEPARENT=00-...] ./emit_refund SUBSCRIPTION_ID AMOUNT_CENTS CURRENCY
+ *       REQUEST_KEY
+ *
+ * TRACEPARENT, when set, is the W3C trace context of the request: it travels with the event as
+ * the message header "traceparent", so the consumer's handler can continue the trace.
  *
  * Prints the event id. Exit status: 0 done, 1 failed (nothing committed), 2 usage. */
 #include <stdio.h>
@@ -67,10 +71,14 @@ static int issue_refund(PGconn *conn, const char *sub, const char *cents, const 
                                 PQgetvalue(res, 0, 3));
     char key[256];
     snprintf(key, sizeof key, "refund:%s", request_key);
+    const char *trace = getenv("TRACEPARENT");
+    json_t *headers =
+        trace != NULL && trace[0] != '\0' ? json_pack("{s:s}", "traceparent", trace) : NULL;
     idem_error_t err = {0};
-    int rc = payload != NULL ? idem_emit(conn, "refund.issued", PQgetvalue(res, 0, 1), key, payload,
-                                         event_id, &err)
+    int rc = payload != NULL ? idem_emit_with_headers(conn, "refund.issued", PQgetvalue(res, 0, 1),
+                                                      key, payload, headers, event_id, &err)
                              : IDEM_ERR_NOMEM;
+    json_decref(headers);
     json_decref(payload);
     PQclear(res);
     if (rc != IDEM_OK) {

@@ -7,7 +7,8 @@ built with `cc X.c $(pkg-config --cflags --libs idem)` and nothing else.
   `idem relay --once` publishes them, the example consumer's own refund.issued handler applies
   each exactly once, also when the consumer is killed between COMMIT and ack (the broker
   redelivers) and when a copy of an event is delivered again; SIGTERM stops it with exit 0
-  after acking everything it took.
+  after acking everything it took. The emitting request's `traceparent` reaches the handler
+  (idem_emit_with_headers -> the relay -> idem_event_header) and is stored with the effect.
 """
 
 import contextlib
@@ -98,6 +99,12 @@ def daemons(request):
     finish_daemons(started, request)
 
 
+def trace_of(request_key):
+    """A W3C traceparent per request: 00-<32 hex trace id>-<16 hex span id>-01."""
+    h = uuid.uuid5(uuid.NAMESPACE_URL, request_key).hex
+    return f"00-{h}-{h[:16]}-01"
+
+
 def test_examples_emit_relay_consume_exactly_once(staged, example_bins, fresh_db, servers, broker,
                                                  queue, tmp_path, daemons):
     db = fresh_db
@@ -142,8 +149,9 @@ def test_examples_emit_relay_consume_exactly_once(staged, example_bins, fresh_db
                 (sub_b, "990", "EUR", "ticket-3"), (sub_a, "1250", "USD", "ticket-1")]
     ids = []
     for req in requests:
+        # the request's trace context rides along as the header traceparent, emit to handler
         r = subprocess.run([example_bins["emit_refund"], *req], capture_output=True,
-                           text=True, env=env, timeout=30)
+                           text=True, env={**env, "TRACEPARENT": trace_of(req[3])}, timeout=30)
         assert r.returncode == 0, r.stderr
         ids.append(r.stdout.strip())
     assert ids[3] == ids[0], "a replayed request must collapse into the same event"
@@ -191,6 +199,10 @@ def test_examples_emit_relay_consume_exactly_once(staged, example_bins, fresh_db
     assert sorted(r[0] for r in db.query(
         "SELECT event_id::text FROM consumed_events WHERE consumer = 'refunds'")) == \
         sorted(set(ids) | {sentinel_event})
+    traces = dict(db.query("SELECT event_id::text, traceparent FROM refund_credits"))
+    for req, eid in zip(requests[:3], ids[:3]):
+        assert traces[eid] == trace_of(req[3]), (req, traces)
+    assert traces[sentinel_event] is None  # published without one
     balances = {(s, c): b for s, c, b in db.query(
         "SELECT subscription_id::text, currency, balance_cents FROM credit_balances")}
     assert balances == {(sub_a, "USD"): 1950, (sub_b, "EUR"): 1000}
