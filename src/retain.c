@@ -18,6 +18,12 @@
 /* (class, key) of the single-runner lock; migrate uses (7650, 1), emit (7648, ...). */
 #define RETAIN_TRY_LOCK "SELECT pg_try_advisory_lock(7651, 1)"
 #define RETAIN_UNLOCK "SELECT pg_advisory_unlock(7651, 1)"
+/* Who holds it: any role can read pg_locks and these columns of pg_stat_activity. */
+#define RETAIN_HOLDER                                                                              \
+    "SELECT l.pid::text, coalesce(a.usename::text, ''), coalesce(a.application_name, '')"          \
+    "  FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid"                              \
+    " WHERE l.locktype = 'advisory' AND l.classid = 7651 AND l.objid = 1 AND l.objsubid = 2"       \
+    "   AND l.granted LIMIT 1"
 
 /* Both cutoffs are fixed once per run: rows that age past the window while the run goes on
  * wait for the next run, and the loops are bounded by what existed at the start. */
@@ -146,6 +152,16 @@ int idem_retain_run(PGconn *conn, const idem_retain_config_t *cfg, idem_retain_r
     idemp_rows_free(r);
     if (!locked) {
         res->skipped = true;
+        /* best effort: the holder may be gone already */
+        if (idemp_pgconn_exec(conn, RETAIN_HOLDER, 0, NULL, &r, NULL) == IDEM_OK) {
+            if (idemp_rows_count(r) == 1) {
+                const char *role = idemp_rows_get(r, 0, 1), *app = idemp_rows_get(r, 0, 2);
+                snprintf(res->holder, sizeof res->holder, "pid %s%s%.63s%s%.63s",
+                         idemp_rows_get(r, 0, 0), role[0] ? ", role " : "", role,
+                         app[0] ? ", application " : "", app);
+            }
+            idemp_rows_free(r);
+        }
         return IDEM_OK;
     }
 

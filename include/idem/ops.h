@@ -36,6 +36,8 @@ typedef struct idem_retain_config {
 
 typedef struct idem_retain_result {
     bool skipped; /* another run holds the retention lock; nothing was deleted */
+    /* when skipped: who holds the lock ("pid 4242, role app, application psql"), or "" */
+    char holder[192];
     int64_t outbox_deleted, outbox_batches;
     int64_t ledger_deleted, ledger_batches;
     int64_t keys_deleted, keys_batches;

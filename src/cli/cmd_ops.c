@@ -7,6 +7,7 @@
 #include <idem/idem.h>
 
 #include "args.h"
+#include "mask.h"
 #include "pg.h"
 #include "uuid.h"
 
@@ -247,6 +248,13 @@ int cmd_retain(int argc, char **argv, cli_global_t *g)
         return fail("retain", &err, CLI_EXIT_FAIL);
     if (res.skipped) {
         printf("skipped: another retention run is active\n");
+        if (res.holder[0] != '\0') {
+            char line[256];
+            idemp_log_escape(res.holder, line, sizeof line, true);
+            fprintf(stderr,
+                    "idem retain: the retention lock (advisory lock 7651, 1) is held by %s\n",
+                    line);
+        }
         return CLI_EXIT_OK;
     }
     printf("event_outbox: deleted %" PRId64 " rows in %" PRId64 " batches\n", res.outbox_deleted,

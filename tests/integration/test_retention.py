@@ -92,14 +92,19 @@ def test_custom_windows(db, servers):
 def test_skipped_while_another_run_holds_the_lock(db, servers):
     add_outbox(db, 5, "sent", sent_ago="8 days")
     add_ledger(db, 5, "31 days")
-    other = psycopg2.connect(db.url)
+    other = psycopg2.connect(db.url, application_name="nightly-report")
     try:
         other.autocommit = True
         with other.cursor() as cur:
             cur.execute("SELECT pg_advisory_lock(7651, 1)")  # "another retention run"
+            cur.execute("SELECT pg_backend_pid(), current_user")
+            pid, role = cur.fetchone()
         r = idem(db, servers, "retain")
         assert r.returncode == 0, r.stderr
         assert r.stdout == "skipped: another retention run is active\n"
+        # the operator learns who holds it (another role taking idem's lock by mistake, say)
+        assert (f"held by pid {pid}, role {role}, application nightly-report"
+                in r.stderr), r.stderr
         assert db.count("event_outbox") == 5
         assert db.count("consumed_events") == 5
     finally:
