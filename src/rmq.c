@@ -440,6 +440,12 @@ int idemp_amqp_connect(idemp_amqp_t *a, bool confirms, idem_error_t *err)
             const char *kv[] = {"server",      a->where, "tls", u->tls ? "on" : "off",
                                 "heartbeat_s", hb,       NULL};
             idem_log(IDEM_LOG_DEBUG, a->component, kv, "connected to RabbitMQ");
+            if (u->tls && !u->verify_peer && !a->warned_unverified) {
+                a->warned_unverified = true; /* once per process and connection object */
+                idem_log(IDEM_LOG_WARN, a->component, kv,
+                         "TLS without peer verification (verify=verify_none): the link is "
+                         "encrypted, but anyone on the path can pose as the broker");
+            }
             return IDEM_OK;
         }
         if (rc == IDEM_ERR_NOMEM || i == a->nurls - 1) {

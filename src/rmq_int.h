@@ -16,7 +16,8 @@ struct idemp_amqp {
     idemp_amqp_url_t urls[IDEMP_AMQP_URLS_MAX];
     int nurls, cur;
     const char *component;
-    int heartbeat_s; /* requested */
+    int heartbeat_s;        /* requested */
+    bool warned_unverified; /* the verify_none warning was logged */
     char where[300];
     amqp_connection_state_t conn;
     bool connected;

@@ -196,6 +196,9 @@ def test_verify_none_connects(tls, tls_queues):
                                        verify="verify_none"))
     assert r.returncode == 0, r.stderr
     assert any("tls=on" in line for line in connect_lines(r.stderr)), r.stderr
+    # said once, at warn level: the broker is not authenticated
+    warnings = [line for line in r.stderr.splitlines() if "without peer verification" in line]
+    assert len(warnings) == 1 and " warn " in warnings[0], r.stderr
     assert [m.event_id for m in read_queue(t.broker, q, expect=1, timeout=10)] == [eid]
 
 
