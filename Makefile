@@ -35,9 +35,11 @@ LIB_SRCS := \
 	src/fault.c \
 	src/pg.c \
 	src/pg_pipeline.c \
+	src/pg_where.c \
 	src/pg_array.c \
 	src/rmq_url.c \
 	src/rmq.c \
+	src/rmq_socket.c \
 	src/rmq_topology.c \
 	src/rmq_confirm.c \
 	src/rmq_deliver.c \
@@ -47,6 +49,7 @@ LIB_SRCS := \
 	src/policy.c \
 	src/event.c \
 	src/consumer.c \
+	src/consumer_inbox.c \
 	src/consumer_sql.c \
 	src/consumer_topology.c \
 	src/consumer_tx.c \

@@ -6,7 +6,6 @@
  * successful COMMIT; a commit whose outcome is unknown is never acked (the redelivery is absorbed
  * by the claim). A delivery is only ever forgotten unacked together with its channel, so the
  * broker gives it back. */
-#include <ctype.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,14 +15,10 @@
 
 #include "clock.h"
 #include "consumer_int.h"
-#include "event.h"
-#include "fault.h"
 
 #define TICK_MS 200
 #define PAUSE_BASE_MS 250
 #define PAUSE_MAX_MS 5000
-#define CONFIRM_TIMEOUT_MS 30000
-#define WINDOW_BYTES_MIN (16LL << 20)
 
 static const char *const LOGC = "consumer";
 
@@ -184,29 +179,11 @@ int idem_consumer_register(idem_consumer_t *c, const char *event_type, idem_hand
     return idemp_registry_add(c->reg, event_type, fn, userdata);
 }
 
-static void delivery_free(delivery_t *d)
-{
-    if (d == NULL)
-        return;
-    json_decref(d->ev.payload);
-    idemp_msg_free(d->msg);
-    free(d);
-}
-
-/* Forgets every delivery in hand; only together with their channel (the broker requeues them). */
-static void drop_window(idem_consumer_t *c)
-{
-    for (size_t i = 0; i < c->nwin; i++)
-        delivery_free(c->win[i]);
-    c->nwin = 0;
-    c->win_bytes = 0;
-}
-
 void idem_consumer_free(idem_consumer_t *c)
 {
     if (c == NULL)
         return;
-    drop_window(c);
+    idemp_consumer_drop_window(c);
     free(c->win);
     idemp_metrics_free(c->metrics);
     idemp_amqp_free(c->in);
@@ -238,20 +215,7 @@ void idem_consumer_free(idem_consumer_t *c)
     free(c);
 }
 
-static bool stopping(const idem_consumer_t *c)
-{
-    return c->cfg.stop != NULL && *c->cfg.stop;
-}
-
 /* ---- connections -------------------------------------------------------------------------- */
-
-/* Deliveries of a dead channel come again from the broker: forget them with it. */
-static void channel_lost(idem_consumer_t *c, const char *why)
-{
-    idemp_amqp_disconnect(c->in, why);
-    idemp_amqp_disconnect(c->out, why);
-    drop_window(c);
-}
 
 /* Connects RabbitMQ (both connections, topology, consuming) when down. IDEM_OK when up; a
  * negative status for configurations that cannot work (fatal); IDEM_ERR_AMQP_CONNECT while
@@ -267,7 +231,8 @@ static int ensure_amqp(idem_consumer_t *c, idem_error_t *err)
         bool again = false;
         if (idemp_amqp_connected(c->out))
             idemp_amqp_disconnect(c->out, "the consuming connection is down; starting both again");
-        drop_window(c); /* its channel is gone: the broker gives the deliveries back */
+        idemp_consumer_drop_window(
+            c); /* its channel is gone: the broker gives the deliveries back */
         rc = idemp_amqp_ensure(c->in, false, &again, &e);
         if (rc != IDEM_OK)
             return IDEM_ERR_AMQP_CONNECT;
@@ -277,7 +242,7 @@ static int ensure_amqp(idem_consumer_t *c, idem_error_t *err)
             return rc;
         }
         if (rc != IDEM_OK) {
-            channel_lost(c, e.text);
+            idemp_consumer_channel_lost(c, e.text);
             return IDEM_ERR_AMQP_CONNECT;
         }
         if (again)
@@ -302,166 +267,6 @@ static bool ensure_pg(idem_consumer_t *c)
         return false;
     if (again)
         idemp_metrics_reconnect(c->metrics, IDEMP_SERVER_POSTGRES);
-    return true;
-}
-
-/* ---- deliveries in, dead letters and acks out ---------------------------------------------- */
-
-static void validate(idem_consumer_t *c, delivery_t *d)
-{
-    idemp_envelope_in_t in;
-    idemp_msg_envelope_in(d->msg, &in);
-    d->dl_code = idemp_envelope_parse(&in, c->cfg.max_message_bytes, idemp_wall_ms(), &d->ev,
-                                      d->detail, sizeof d->detail);
-    if (d->dl_code == IDEMP_DL_NONE) {
-        d->handler = idemp_registry_find(c->reg, d->ev.event_type);
-        if (d->handler == NULL) {
-            d->dl_code = IDEMP_DL_UNKNOWN_TYPE;
-            snprintf(d->detail, sizeof d->detail, "no handler for event type '%.200s'",
-                     d->ev.event_type);
-        }
-    }
-    d->state = d->dl_code == IDEMP_DL_NONE ? D_READY : D_DEAD;
-}
-
-/* Publishes d's dead-letter copy; on success d is DONE. */
-static int dead_letter(idem_consumer_t *c, delivery_t *d)
-{
-    char reason[700];
-    snprintf(reason, sizeof reason, "%s: %s", idemp_dl_code_name(d->dl_code), d->detail);
-    idem_error_t err = {0};
-    int rc = idemp_amqp_dead_letter(c->out, c->in, d->msg, c->dlx, c->dlq, reason,
-                                    CONFIRM_TIMEOUT_MS, &err);
-    if (rc != IDEM_OK) {
-        idemp_consumer_log(IDEM_LOG_ERROR, c, d, "dead-lettering failed, will retry: %s", err.text);
-        idemp_amqp_disconnect(c->out, err.text);
-        return rc;
-    }
-    idemp_metrics_dead_letter(c->metrics, d->dl_code);
-    idemp_metrics_event(c->metrics, d->ev.event_type, IDEMP_OUT_DEAD_LETTERED);
-    idemp_consumer_log(IDEM_LOG_WARN, c, d, "dead-lettered to %s: %s", c->dlq, reason);
-    d->state = D_DONE;
-    return IDEM_OK;
-}
-
-static void dead_letter_all(idem_consumer_t *c)
-{
-    for (size_t i = 0; i < c->nwin && idemp_amqp_connected(c->out); i++)
-        if (c->win[i]->state == D_DEAD)
-            dead_letter(c, c->win[i]);
-}
-
-/* Acks what is DONE and takes it out of the window. */
-static void ack_done(idem_consumer_t *c)
-{
-    if (c->nwin == 0)
-        return;
-    size_t *single = malloc(c->nwin * sizeof *single);
-    if (single == NULL) {
-        channel_lost(c, "out of memory acking");
-        return;
-    }
-    uint64_t multi;
-    size_t ns = idemp_window_ack_plan(c->win, c->nwin, &multi, single);
-    idem_error_t err = {0};
-    int rc = multi ? idemp_amqp_ack(c->in, multi, true, &err) : IDEM_OK;
-    for (size_t i = 0; rc == IDEM_OK && i < ns; i++)
-        rc = idemp_amqp_ack(c->in, c->win[single[i]]->tag, false, &err);
-    free(single);
-    if (rc != IDEM_OK) {
-        channel_lost(c, "ack failed (committed work will be redelivered and deduplicated)");
-        return;
-    }
-    size_t keep = 0;
-    for (size_t i = 0; i < c->nwin; i++) {
-        delivery_t *d = c->win[i];
-        if (d->state == D_DONE) {
-            c->win_bytes -= d->bytes;
-            delivery_free(d);
-        } else {
-            c->win[keep++] = d;
-        }
-    }
-    c->nwin = keep;
-}
-
-static bool window_add(idem_consumer_t *c, delivery_t *d)
-{
-    if (idemp_fault_fail("consumer.nomem_window"))
-        return false; /* testing: an allocation failure at this point */
-    if (c->nwin == c->capwin) {
-        size_t cap = c->capwin ? c->capwin * 2 : 256;
-        delivery_t **w = realloc(c->win, cap * sizeof *w);
-        if (w == NULL)
-            return false;
-        c->win = w;
-        c->capwin = cap;
-    }
-    c->win[c->nwin++] = d;
-    c->win_bytes += d->bytes;
-    return true;
-}
-
-/* Reads new deliveries into the window: waits up to first_wait_ms for the first, then lingers
- * for batch-mates. Returns false when the channel was lost (the window is then empty). */
-static bool read_deliveries(idem_consumer_t *c, int64_t first_wait_ms)
-{
-    int64_t budget = 4 * c->cfg.max_message_bytes;
-    if (budget < WINDOW_BYTES_MIN)
-        budget = WINDOW_BYTES_MIN;
-    int64_t first_deadline = idemp_now_ms() + first_wait_ms, linger_deadline = -1;
-    size_t got = 0;
-    if ((int64_t)c->win_bytes >= budget) {
-        /* enough in memory: let the broker hold the rest, keep the link alive */
-        idemp_amqp_keepalive(c->in);
-        idemp_amqp_keepalive(c->out);
-        idemp_sleep_ms(first_wait_ms, c->cfg.stop);
-        return true;
-    }
-    while (got < (size_t)c->cfg.batch_max && (int64_t)c->win_bytes < budget) {
-        int64_t now = idemp_now_ms(), timeout;
-        if (got == 0) {
-            timeout = first_deadline - now;
-        } else {
-            if (linger_deadline < 0)
-                linger_deadline = now + c->cfg.linger_ms;
-            timeout = idemp_amqp_buffered(c->in) ? 0 : linger_deadline - now;
-        }
-        idemp_msg_t *m = NULL;
-        idem_error_t err = {0};
-        int rc =
-            idemp_amqp_next(c->in, c->cfg.max_message_bytes, timeout < 0 ? 0 : timeout, &m, &err);
-        if (rc == IDEM_ERR_TIMEOUT)
-            return true;
-        if (rc != IDEM_OK) {
-            channel_lost(c, err.text);
-            return false;
-        }
-        delivery_t *d = calloc(1, sizeof *d);
-        if (d != NULL) {
-            d->msg = m;
-            d->tag = idemp_msg_tag(m);
-            d->bytes = idemp_msg_oversized(m) ? 0 : (size_t)idemp_msg_body_size(m);
-        }
-        if (d == NULL || !window_add(c, d)) {
-            if (d != NULL)
-                d->msg = NULL;
-            free(d);
-            idemp_msg_free(m);
-            /* the delivery cannot be kept: give back everything unacked rather than ack it */
-            channel_lost(c, "out of memory holding a delivery");
-            return false;
-        }
-        validate(c, d);
-        /* an oversized body is still on the wire: it goes to the DLQ before anything else */
-        if (idemp_msg_oversized(m) && dead_letter(c, d) != IDEM_OK) {
-            channel_lost(c, "an oversized message could not be dead-lettered");
-            return false;
-        }
-        got++;
-        if (stopping(c))
-            break;
-    }
     return true;
 }
 
@@ -490,13 +295,13 @@ static void step(idem_consumer_t *c, delivery_t **pick)
     int64_t now = idemp_now_ms();
     bool can_apply = now >= c->pause_until && ensure_pg(c) && c->sql_checked;
     bool ready = can_apply && idemp_window_pick(c->win, c->nwin, now, pick, max) > 0;
-    if (!read_deliveries(c, ready ? 0 : idle_wait(c, can_apply, now)))
+    if (!idemp_consumer_read(c, ready ? 0 : idle_wait(c, can_apply, now)))
         return;
     /* the dead-letter connection is idle most of the time: answer its heartbeats */
     idem_error_t e = {0};
     if (idemp_amqp_service(c->out, &e) != IDEM_OK)
         idemp_amqp_disconnect(c->out, e.text);
-    dead_letter_all(c);
+    idemp_consumer_dead_letter_all(c);
     now = idemp_now_ms();
     size_t n = can_apply ? idemp_window_pick(c->win, c->nwin, now, pick, max) : 0;
     if (n > 0) {
@@ -515,9 +320,9 @@ static void step(idem_consumer_t *c, delivery_t **pick)
                                 b,          "ms",        m,         NULL};
             idem_log(IDEM_LOG_DEBUG, LOGC, kv, "batch committed");
         }
-        dead_letter_all(c);
+        idemp_consumer_dead_letter_all(c);
     }
-    ack_done(c);
+    idemp_consumer_ack_done(c);
 }
 
 int idem_consumer_run(idem_consumer_t *c, idem_error_t *err)
@@ -552,7 +357,7 @@ int idem_consumer_run(idem_consumer_t *c, idem_error_t *err)
         idem_log(IDEM_LOG_INFO, LOGC, kv, "starting");
     }
     int result = IDEM_OK;
-    while (!stopping(c)) {
+    while (!idemp_consumer_stopping(c)) {
         if (!c->sql_checked && ensure_pg(c)) {
             idem_error_t e = {0};
             result = idemp_consumer_check_sql(c, &e);
@@ -580,7 +385,7 @@ int idem_consumer_run(idem_consumer_t *c, idem_error_t *err)
         const char *kv[] = {"consumer", c->consumer, "queue", c->queue, NULL};
         idem_log(IDEM_LOG_INFO, LOGC, kv, "stopped");
     }
-    drop_window(c); /* unacked: the broker gives them to the next consumer */
+    idemp_consumer_drop_window(c); /* unacked: the broker gives them to the next consumer */
     idemp_amqp_disconnect(c->in, NULL);
     idemp_amqp_disconnect(c->out, NULL);
     idemp_pg_disconnect(c->pg, NULL);

@@ -82,6 +82,25 @@ int idemp_consumer_topology(idem_consumer_t *c, idem_error_t *err);
 /* Every SQL handler's function exists: IDEM_OK, or IDEM_ERR_NOT_FOUND naming it. */
 int idemp_consumer_check_sql(idem_consumer_t *c, idem_error_t *err);
 
+static inline bool idemp_consumer_stopping(const idem_consumer_t *c)
+{
+    return c->cfg.stop != NULL && *c->cfg.stop;
+}
+
+/* ---- consumer_inbox.c: deliveries in, dead letters and acks out ---- */
+
+/* Reads new deliveries into the window: waits up to first_wait_ms for the first, then lingers
+ * for batch-mates. Returns false when the channel was lost (the window is then empty). */
+bool idemp_consumer_read(idem_consumer_t *c, int64_t first_wait_ms);
+/* Publishes the dead-letter copy of every DEAD delivery (each becomes DONE once confirmed). */
+void idemp_consumer_dead_letter_all(idem_consumer_t *c);
+/* Acks what is DONE and takes it out of the window. */
+void idemp_consumer_ack_done(idem_consumer_t *c);
+/* Forgets every delivery in hand; only together with their channel (the broker requeues them). */
+void idemp_consumer_drop_window(idem_consumer_t *c);
+/* Disconnects both RabbitMQ connections and forgets the window: the deliveries come again. */
+void idemp_consumer_channel_lost(idem_consumer_t *c, const char *why);
+
 /* ---- consumer_window.c: pure decisions over the deliveries in hand ---- */
 
 /* Picks into out (capacity max) the deliveries that may be tried now, in tag order: READY ones

@@ -1,7 +1,7 @@
-/* rmq.c - the RabbitMQ adapter over librabbitmq 0.11: URLs, connections (TCP or TLS) with
- * heartbeats and backoff, topology, confirms. Deliveries and publishes are in rmq_msg.c. */
-#include <errno.h>
-#include <netdb.h>
+/* rmq.c - the RabbitMQ adapter over librabbitmq 0.11: connections (TCP or TLS, see
+ * rmq_socket.c) with heartbeats and backoff, a node list, frames and acks. URLs are in
+ * rmq_url.c, topology in rmq_topology.c, confirms in rmq_confirm.c, deliveries in
+ * rmq_deliver.c, publishes and dead-letter copies in rmq_publish.c. */
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <stdio.h>
@@ -11,11 +11,7 @@
 #include <sys/time.h>
 #include <unistd.h>
 
-#include <amqp_ssl_socket.h>
 #include <amqp_tcp_socket.h>
-#include <openssl/err.h>
-#include <openssl/ssl.h>
-#include <openssl/x509_vfy.h>
 
 #include <idem/log.h>
 
@@ -257,103 +253,6 @@ int idemp_amqp_wait_frame(idemp_amqp_t *a, amqp_frame_t *f, int64_t timeout_ms, 
     return IDEM_OK;
 }
 
-/* librabbitmq's non-blocking connect reports only "a socket error occurred"; after a failure a
- * plain connect tells the operator why (refused, unreachable, unknown host). */
-static void tcp_reason(const char *host, int port, int amqp_rc, char *out, size_t sz)
-{
-    snprintf(out, sz, "%s", amqp_error_string2(amqp_rc));
-    if (amqp_rc != AMQP_STATUS_SOCKET_ERROR && amqp_rc != AMQP_STATUS_HOSTNAME_RESOLUTION_FAILED)
-        return;
-    struct addrinfo hints, *ai = NULL;
-    memset(&hints, 0, sizeof hints);
-    hints.ai_socktype = SOCK_STREAM;
-    char portstr[16];
-    snprintf(portstr, sizeof portstr, "%d", port);
-    int g = getaddrinfo(host, portstr, &hints, &ai);
-    if (g != 0) {
-        snprintf(out, sz, "cannot resolve host: %s", gai_strerror(g));
-        return;
-    }
-    int fd = socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol);
-    if (fd >= 0) {
-        struct timeval tv = {2, 0};
-        setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-        if (connect(fd, ai->ai_addr, ai->ai_addrlen) != 0)
-            snprintf(out, sz, "%s", strerror(errno));
-        close(fd);
-    }
-    freeaddrinfo(ai);
-}
-
-/* Why a TLS handshake failed, for the error line: librabbitmq 0.11 only says "SSL peer cert
- * verification failed" or "a SSL error occurred". The first certificate error of the handshake
- * (the callback runs in librabbitmq's SSL_VERIFY_NONE mode too, and changes nothing), else
- * OpenSSL's last error, e.g. the server's "certificate required" alert. */
-static _Thread_local int tls_verify_error;
-
-static int remember_verify_error(int ok, X509_STORE_CTX *x)
-{
-    if (!ok && tls_verify_error == 0)
-        tls_verify_error = X509_STORE_CTX_get_error(x);
-    return ok;
-}
-
-static void tls_detail(const idemp_amqp_url_t *u, bool after_handshake, char *out, size_t sz)
-{
-    if (!u->tls)
-        return;
-    size_t n = strlen(out);
-    unsigned long e = ERR_peek_last_error();
-    if (tls_verify_error != 0)
-        snprintf(out + n, sz - n, ": %s", X509_verify_cert_error_string(tls_verify_error));
-    else if (e != 0 && ERR_reason_error_string(e) != NULL)
-        snprintf(out + n, sz - n, ": %s", ERR_reason_error_string(e));
-    else if (after_handshake && u->certfile[0] == '\0')
-        /* TLS 1.3: the broker's "certificate required" alert may arrive as a reset */
-        snprintf(out + n, sz - n,
-                 ": the broker closed the TLS link (does it require a client certificate? "
-                 "certfile=, keyfile=)");
-}
-
-/* A TLS socket per the URL's parameters; verification is on unless verify=verify_none. */
-static amqp_socket_t *tls_socket(idemp_amqp_t *a, const idemp_amqp_url_t *u, char *why,
-                                 size_t whysz)
-{
-    amqp_socket_t *sock = amqp_ssl_socket_new(a->conn);
-    if (sock == NULL) {
-        snprintf(why, whysz, "cannot set up TLS");
-        return NULL;
-    }
-    SSL_CTX *ctx = amqp_ssl_socket_get_context(sock);
-    if (u->cacertfile[0] != '\0') {
-        if (amqp_ssl_socket_set_cacert(sock, u->cacertfile) != AMQP_STATUS_OK) {
-            snprintf(why, whysz, "cannot read cacertfile %s", u->cacertfile);
-            return NULL;
-        }
-    } else if (SSL_CTX_set_default_verify_paths(ctx) != 1) {
-        snprintf(why, whysz, "cannot load the system CA certificates");
-        return NULL;
-    }
-    if (u->certfile[0] != '\0' || u->keyfile[0] != '\0') {
-        if (amqp_ssl_socket_set_key(sock, u->certfile, u->keyfile) != AMQP_STATUS_OK) {
-            snprintf(why, whysz, "cannot read certfile %s / keyfile %s", u->certfile, u->keyfile);
-            return NULL;
-        }
-    }
-    tls_verify_error = 0;
-    ERR_clear_error();
-    SSL_CTX_set_verify(ctx, SSL_VERIFY_NONE, remember_verify_error);
-    amqp_ssl_socket_set_verify_peer(sock, u->verify_peer);
-    if (u->verify_peer && u->sni[0] != '\0') {
-        /* verify the certificate against the given name instead of the host we dial */
-        amqp_ssl_socket_set_verify_hostname(sock, 0);
-        X509_VERIFY_PARAM_set1_host(SSL_CTX_get0_param(ctx), u->sni, 0);
-    } else {
-        amqp_ssl_socket_set_verify_hostname(sock, u->verify_peer);
-    }
-    return sock;
-}
-
 static int connect_url(idemp_amqp_t *a, bool confirms, idem_error_t *err)
 {
     const idemp_amqp_url_t *u = &a->urls[a->cur];
@@ -364,7 +263,8 @@ static int connect_url(idemp_amqp_t *a, bool confirms, idem_error_t *err)
     if (a->conn == NULL)
         return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
     char why[300] = "";
-    amqp_socket_t *sock = u->tls ? tls_socket(a, u, why, sizeof why) : amqp_tcp_socket_new(a->conn);
+    amqp_socket_t *sock =
+        u->tls ? idemp_amqp_tls_socket(a->conn, u, why, sizeof why) : amqp_tcp_socket_new(a->conn);
     if (sock == NULL) {
         close_conn(a);
         return idem_error_set(err, IDEM_ERR_AMQP_CONNECT,
@@ -376,9 +276,9 @@ static int connect_url(idemp_amqp_t *a, bool confirms, idem_error_t *err)
     amqp_set_rpc_timeout(a->conn, &tv);
     int rc = amqp_socket_open_noblock(sock, u->host, u->port, &tv);
     if (rc != AMQP_STATUS_OK) {
-        tcp_reason(u->host, u->port, rc, why, sizeof why);
+        idemp_amqp_tcp_reason(u->host, u->port, rc, why, sizeof why);
         if (rc != AMQP_STATUS_SSL_HOSTNAME_VERIFY_FAILED)
-            tls_detail(u, false, why, sizeof why);
+            idemp_amqp_tls_detail(u, false, why, sizeof why);
         close_conn(a);
         return idem_error_set(err, IDEM_ERR_AMQP_CONNECT,
                               "cannot connect to RabbitMQ at %s: %s (tls=%s)", a->where, why,
@@ -401,7 +301,7 @@ static int connect_url(idemp_amqp_t *a, bool confirms, idem_error_t *err)
             r.library_error == AMQP_STATUS_CONNECTION_CLOSED)
             snprintf(text, sizeof text, "login refused (ACCESS_REFUSED) for user '%s'", u->user);
         else if (r.reply_type == AMQP_RESPONSE_LIBRARY_EXCEPTION)
-            tls_detail(u, true, text, sizeof text);
+            idemp_amqp_tls_detail(u, true, text, sizeof text);
         close_conn(a);
         return idem_error_set(err, IDEM_ERR_AMQP_CONNECT,
                               "cannot connect to RabbitMQ at %s: %s (tls=%s)", a->where, text,

@@ -1,5 +1,5 @@
-/* rmq_int.h - what rmq.c (connections, topology, confirms) and rmq_msg.c (deliveries, the
- * dead-letter copy, event publishes) share. Not for other modules. */
+/* rmq_int.h - what the RabbitMQ adapter's files (rmq.c, rmq_socket.c, rmq_topology.c,
+ * rmq_confirm.c, rmq_deliver.c, rmq_publish.c) share. Not for other modules. */
 #ifndef IDEM_RMQ_INT_H
 #define IDEM_RMQ_INT_H
 
@@ -61,6 +61,16 @@ int idemp_amqp_wait_frame(idemp_amqp_t *a, amqp_frame_t *f, int64_t timeout_ms, 
 int idemp_amqp_content_frame(idemp_amqp_t *a, int want, amqp_frame_t *f, idem_error_t *err);
 /* Bookkeeping after a publish: assigns the tag. */
 void idemp_amqp_published(idemp_amqp_t *a, uint64_t *tag);
+/* ---- rmq_socket.c ---- */
+
+/* A TLS socket on conn per u's parameters, or NULL with why set. */
+amqp_socket_t *idemp_amqp_tls_socket(amqp_connection_state_t conn, const idemp_amqp_url_t *u,
+                                     char *why, size_t whysz);
+/* Why a connect to host:port failed (librabbitmq status amqp_rc), into out. */
+void idemp_amqp_tcp_reason(const char *host, int port, int amqp_rc, char *out, size_t sz);
+/* Appends to out why the TLS handshake failed, when u is a TLS URL and a reason is known. */
+void idemp_amqp_tls_detail(const idemp_amqp_url_t *u, bool after_handshake, char *out, size_t sz);
+
 /* Waits for the confirm of tag (ack: IDEM_OK; nack or return: IDEM_ERR_AMQP). */
 int idemp_amqp_confirm_one(idemp_amqp_t *a, uint64_t tag, int64_t timeout_ms, idem_error_t *err);
 

@@ -60,6 +60,43 @@ static int register_sql(idem_consumer_t *c, const cli_list_t *handlers)
     return 0;
 }
 
+/* Creates the consumer (then wipes pw, which it copied), registers its handlers and runs it
+ * until a stop signal. */
+static int run(const idem_consumer_config_t *cfg, const cli_list_t *handlers, bool bundled,
+               char *pw, size_t pwsz)
+{
+    idem_error_t err = {0};
+    idem_consumer_t *c = idem_consumer_new(cfg, &err);
+    memset(pw, 0, pwsz);
+    if (c == NULL) {
+        fprintf(stderr, "idem consume: %s\n", err.text);
+        return err.code == IDEM_ERR_INVALID ? CLI_EXIT_USAGE : CLI_EXIT_FAIL;
+    }
+    int rc = 0;
+    if (handlers->n == 0 || bundled) {
+        rc = billing_register(c);
+        if (rc != IDEM_OK) {
+            fprintf(stderr, "idem consume: cannot register handlers: %s\n", idem_strerror(rc));
+            rc = CLI_EXIT_FAIL;
+        }
+    }
+    /* after the bundled ones: a --handler for one of their types replaces it */
+    if (rc == 0)
+        rc = register_sql(c, handlers);
+    if (rc != 0) {
+        idem_consumer_free(c);
+        return rc;
+    }
+    cli_install_signals();
+    rc = idem_consumer_run(c, &err);
+    idem_consumer_free(c);
+    if (rc != IDEM_OK) {
+        fprintf(stderr, "idem consume: %s\n", err.text);
+        return CLI_EXIT_FAIL;
+    }
+    return CLI_EXIT_OK;
+}
+
 int cmd_consume(int argc, char **argv, cli_global_t *g)
 {
     idem_consumer_config_t cfg;
@@ -155,34 +192,5 @@ int cmd_consume(int argc, char **argv, cli_global_t *g)
     cfg.binds = binds.n > 0 ? binds.items : NULL;
     cfg.stop = &cli_stop;
 
-    idem_error_t err = {0};
-    idem_consumer_t *c = idem_consumer_new(&cfg, &err);
-    memset(pw, 0, sizeof pw);
-    if (c == NULL) {
-        fprintf(stderr, "idem consume: %s\n", err.text);
-        return err.code == IDEM_ERR_INVALID ? CLI_EXIT_USAGE : CLI_EXIT_FAIL;
-    }
-    rc = 0;
-    if (handlers.n == 0 || bundled) {
-        rc = billing_register(c);
-        if (rc != IDEM_OK) {
-            fprintf(stderr, "idem consume: cannot register handlers: %s\n", idem_strerror(rc));
-            rc = CLI_EXIT_FAIL;
-        }
-    }
-    /* after the bundled ones: a --handler for one of their types replaces it */
-    if (rc == 0)
-        rc = register_sql(c, &handlers);
-    if (rc != 0) {
-        idem_consumer_free(c);
-        return rc;
-    }
-    cli_install_signals();
-    rc = idem_consumer_run(c, &err);
-    idem_consumer_free(c);
-    if (rc != IDEM_OK) {
-        fprintf(stderr, "idem consume: %s\n", err.text);
-        return CLI_EXIT_FAIL;
-    }
-    return CLI_EXIT_OK;
+    return run(&cfg, &handlers, bundled, pw, sizeof pw);
 }
