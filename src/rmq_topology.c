@@ -48,6 +48,24 @@ static int reopen_channel(idemp_amqp_t *a, idem_error_t *err)
     return rc;
 }
 
+/* The reply of a declare of name: a passive one that finds nothing reopens the channel the
+ * broker closed and reports IDEM_ERR_NOT_FOUND (see passive_result). */
+static int declared(idemp_amqp_t *a, const char *method, const char *name, bool passive,
+                    idem_error_t *err)
+{
+    idem_error_t ee = {0};
+    char what[300];
+    snprintf(what, sizeof what, "%s %s", method, name);
+    int rc = idemp_amqp_check_rpc(a, amqp_get_rpc_reply(a->conn), what, &ee);
+    if (rc != IDEM_OK && passive && a->close_code == AMQP_NOT_FOUND) {
+        int rc2 = reopen_channel(a, err);
+        return rc2 == IDEM_OK ? passive_result(a, rc, name, err, &ee) : rc2;
+    }
+    if (rc != IDEM_OK && err != NULL && err->code == 0)
+        *err = ee;
+    return rc;
+}
+
 int idemp_amqp_declare_exchange(idemp_amqp_t *a, const char *name, const char *type,
                                 const char *hash_header, bool passive, idem_error_t *err)
 {
@@ -59,17 +77,7 @@ int idemp_amqp_declare_exchange(idemp_amqp_t *a, const char *name, const char *t
         e[args.num_entries++] = str_entry("hash-header", hash_header);
     amqp_exchange_declare(a->conn, IDEMP_CHANNEL, amqp_cstring_bytes(name),
                           amqp_cstring_bytes(type), passive, 1, 0, 0, args);
-    idem_error_t ee = {0};
-    char what[300];
-    snprintf(what, sizeof what, "exchange.declare %s", name);
-    int rc = idemp_amqp_check_rpc(a, amqp_get_rpc_reply(a->conn), what, &ee);
-    if (rc != IDEM_OK && passive && a->close_code == AMQP_NOT_FOUND) {
-        int rc2 = reopen_channel(a, err);
-        return rc2 == IDEM_OK ? passive_result(a, rc, name, err, &ee) : rc2;
-    }
-    if (rc != IDEM_OK && err != NULL && err->code == 0)
-        *err = ee;
-    return rc;
+    return declared(a, "exchange.declare", name, passive, err);
 }
 
 int idemp_amqp_declare_queue(idemp_amqp_t *a, const char *name, const idemp_queue_spec_t *spec,
@@ -94,17 +102,7 @@ int idemp_amqp_declare_queue(idemp_amqp_t *a, const char *name, const idemp_queu
         }
     }
     amqp_queue_declare(a->conn, IDEMP_CHANNEL, amqp_cstring_bytes(name), passive, 1, 0, 0, args);
-    idem_error_t ee = {0};
-    char what[300];
-    snprintf(what, sizeof what, "queue.declare %s", name);
-    int rc = idemp_amqp_check_rpc(a, amqp_get_rpc_reply(a->conn), what, &ee);
-    if (rc != IDEM_OK && passive && a->close_code == AMQP_NOT_FOUND) {
-        int rc2 = reopen_channel(a, err);
-        return rc2 == IDEM_OK ? passive_result(a, rc, name, err, &ee) : rc2;
-    }
-    if (rc != IDEM_OK && err != NULL && err->code == 0)
-        *err = ee;
-    return rc;
+    return declared(a, "queue.declare", name, passive, err);
 }
 
 int idemp_amqp_bind(idemp_amqp_t *a, const char *queue, const char *exchange, const char *key,

@@ -53,6 +53,42 @@ typedef struct cli_opt {
 /* Fills g from the environment and defaults. */
 void cli_global_init(cli_global_t *g);
 
+/* Flags the daemons share, as option table entries: the transaction timeouts and the metrics
+ * endpoint. Arguments are the int64_t/int/const char * variables the values go to. */
+#define CLI_OPTS_TIMEOUTS(lock_ms, statement_ms)                                                   \
+    {"--lock-timeout",                                                                             \
+     OPT_DURATION_MS,                                                                              \
+     (lock_ms),                                                                                    \
+     "DURATION",                                                                                   \
+     "5s",                                                                                         \
+     "lock_timeout of each transaction (0s = none)",                                               \
+     0,                                                                                            \
+     86400},                                                                                       \
+    {                                                                                              \
+        "--statement-timeout", OPT_DURATION_MS, (statement_ms), "DURATION", "30s",                 \
+            "statement_timeout of each transaction (0s = none)", 0, 86400                          \
+    }
+#define CLI_OPT_HEARTBEAT(ms)                                                                      \
+    {                                                                                              \
+        "--heartbeat", OPT_DURATION, (ms), "DURATION", "30s",                                      \
+            "AMQP heartbeat: a dead link is noticed within two (0s = off; the URL's heartbeat= "   \
+            "applies when this is not given)",                                                     \
+            0, 65535                                                                               \
+    }
+#define CLI_OPTS_METRICS(port, addr)                                                               \
+    {"--metrics-port",                                                                             \
+     OPT_INT,                                                                                      \
+     (port),                                                                                       \
+     "PORT",                                                                                       \
+     "none",                                                                                       \
+     "serve Prometheus metrics at /metrics",                                                       \
+     1,                                                                                            \
+     65535},                                                                                       \
+    {                                                                                              \
+        "--metrics-addr", OPT_STRING, (addr), "ADDR", "127.0.0.1",                                 \
+            "listen address of the metrics endpoint", 0, 0                                         \
+    }
+
 /* Parses argv[1..argc) of command cmd against opts (terminated by a zero entry) and the global
  * flags. Returns 0, CLI_EXIT_USAGE (one line printed on stderr) or CLI_HELP_SHOWN. */
 int cli_parse(const char *cmd, const char *synopsis, int argc, char **argv, const cli_opt_t *opts,
