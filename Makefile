@@ -104,7 +104,7 @@ HANDLER_OBJS := $(HANDLER_SRCS:%.c=$(BUILD)/%.o)
 CLI_OBJS := $(CLI_SRCS:%.c=$(BUILD)/%.o)
 UNIT_BINS := $(UNIT_TESTS:%=$(BUILD)/%)
 
-.PHONY: all test check unit integration sanitize bench demo chaos install valgrind format format-check clean deps
+.PHONY: all test check unit arch integration sanitize bench demo chaos install valgrind format format-check clean deps
 
 all: $(BUILD)/idem $(BUILD)/libidem.a $(BUILD)/libidem.so $(BUILD)/libidem.so.$(SOMAJOR)
 
@@ -146,8 +146,12 @@ deps:
 # The test command: installs what is missing, builds, runs the unit tests, then the
 # integration tests against private PostgreSQL and RabbitMQ started for the run.
 test: deps
-	$(MAKE) all unit
+	$(MAKE) all unit arch
 	scripts/integration.sh
+
+# The module graph: no cycle, no upward include, the client libraries only in their adapters.
+arch:
+	/usr/bin/python3 scripts/arch.py
 
 check: test
 

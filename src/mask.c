@@ -7,7 +7,6 @@
 #include <string.h>
 #include <strings.h>
 
-#include <libpq-fe.h>
 
 #include "mask.h"
 
