@@ -54,11 +54,13 @@ static bool make_queues(idem_consumer_t *c, const idem_consumer_config_t *cfg)
     int p = cfg->partitions;
     int n = p == 1 ? 1 : (cfg->partition_list ? cfg->npartition_list : p);
     c->queues = calloc((size_t)n, sizeof *c->queues);
-    if (c->queues == NULL)
+    c->queue_part = calloc((size_t)n, sizeof *c->queue_part);
+    if (c->queues == NULL || c->queue_part == NULL)
         return false;
     c->nqueues = n;
     for (int i = 0; i < n; i++) {
         int part = cfg->partition_list ? cfg->partition_list[i] : i;
+        c->queue_part[i] = p == 1 ? -1 : part;
         c->queues[i] =
             p == 1 ? strdup(cfg->queue) : idemp_consumer_name("%s.p%d", cfg->queue, part);
         if (c->queues[i] == NULL)
@@ -209,6 +211,7 @@ void idem_consumer_free(idem_consumer_t *c)
     free(c->dlq);
     free(c->dlx);
     free(c->hash_exchange);
+    free(c->queue_part);
     free(c->pg_conninfo);
     free(c->amqp_url);
     free(c->exchange);
@@ -302,6 +305,7 @@ static void step(idem_consumer_t *c, delivery_t **pick)
     if (idemp_amqp_service(c->out, &e) != IDEM_OK)
         idemp_amqp_disconnect(c->out, e.text);
     idemp_consumer_dead_letter_all(c);
+    idemp_consumer_publish_fences(c); /* those that could not go last turn */
     now = idemp_now_ms();
     size_t n = can_apply ? idemp_window_pick(c->win, c->nwin, now, pick, max) : 0;
     if (n > 0) {
@@ -321,6 +325,7 @@ static void step(idem_consumer_t *c, delivery_t **pick)
             idem_log(IDEM_LOG_DEBUG, LOGC, kv, "batch committed");
         }
         idemp_consumer_dead_letter_all(c);
+        idemp_consumer_publish_fences(c);
     }
     idemp_consumer_ack_done(c);
 }

@@ -20,8 +20,10 @@
 
 /* A delivery's life: read and validated (READY, or DEAD when it must be dead-lettered), tried in
  * a transaction, then DONE (committed, duplicate or dead-lettered: ack it) or WAIT (a retry or a
- * pause: due again at due_ms). */
-enum dstate { D_READY, D_WAIT, D_DEAD, D_DONE };
+ * pause: due again at due_ms). MOVED: its subscription arrived in another partition than before
+ * (see sql/006_partition_routes.sql); a fence must go to the old partition, then it WAITs for it.
+ */
+enum dstate { D_READY, D_WAIT, D_DEAD, D_DONE, D_MOVED };
 
 typedef struct delivery {
     idemp_msg_t *msg; /* owned */
@@ -35,6 +37,14 @@ typedef struct delivery {
     char last_state[6]; /* SQLSTATE of the last failed try, "" when none */
     char detail[512];
     size_t bytes; /* body bytes held */
+    int qidx;     /* the consumed queue it came from (index into queues) */
+    int part;     /* that queue's partition number; -1 without partitions */
+    bool fence;   /* a fence (see sql/006_partition_routes.sql), not an event */
+    /* a fence: its id; a moved event: the fence it waits for ("" before it is published) */
+    char fence_id[37];
+    int moved_from;     /* a moved event: the partition its subscription was applied from */
+    int64_t held_since; /* a moved event: when it was first held (monotonic ms), 0 if not */
+    bool held_warned;
 } delivery_t;
 
 /* A handler that calls a SQL function (idem_consumer_register_sql). */
@@ -46,7 +56,8 @@ typedef struct sql_handler {
 struct idem_consumer {
     char *consumer, *queue, *pg_conninfo, *amqp_url, *exchange;
     char *dlq, *dlx, *hash_exchange;
-    char **queues; /* the queues this process consumes: QUEUE, or its partitions */
+    char **queues;   /* the queues this process consumes: QUEUE, or its partitions */
+    int *queue_part; /* partition number of each (-1 for QUEUE) */
     int nqueues;
     char **binds;                 /* NULL-terminated, owned */
     sql_handler_t **sql_handlers; /* owned; registry entries point at them */
@@ -94,6 +105,8 @@ static inline bool idemp_consumer_stopping(const idem_consumer_t *c)
 bool idemp_consumer_read(idem_consumer_t *c, int64_t first_wait_ms);
 /* Publishes the dead-letter copy of every DEAD delivery (each becomes DONE once confirmed). */
 void idemp_consumer_dead_letter_all(idem_consumer_t *c);
+/* Publishes the fence of every MOVED delivery (each then WAITs for it). */
+void idemp_consumer_publish_fences(idem_consumer_t *c);
 /* Acks what is DONE and takes it out of the window. */
 void idemp_consumer_ack_done(idem_consumer_t *c);
 /* Forgets every delivery in hand; only together with their channel (the broker requeues them). */
@@ -104,11 +117,18 @@ void idemp_consumer_channel_lost(idem_consumer_t *c, const char *why);
 /* ---- consumer_window.c: pure decisions over the deliveries in hand ---- */
 
 /* Picks into out (capacity max) the deliveries that may be tried now, in tag order: READY ones
- * and WAIT ones that are due, each only if no earlier unfinished delivery of its subscription
- * stays behind (a delivery waiting for a retry holds the later ones of its subscription; a
- * dead-lettered one holds nothing). Returns how many were picked. */
+ * and WAIT ones that are due, each only if no earlier unfinished delivery of its key (see
+ * idemp_window_key) stays behind (a delivery waiting for a retry holds the later ones of its
+ * subscription; a dead-lettered one holds nothing). A fence goes only when nothing earlier of its
+ * key is unfinished at all, picked or not: it is recorded after they commit. Returns how many
+ * were picked. */
 size_t idemp_window_pick(delivery_t *const *win, size_t n, int64_t now, delivery_t **out,
                          size_t max);
+
+/* A delivery's place in the order that matters: its subscription within the queue it came from
+ * (a moved subscription's queues are ordered by fences, not by the window). 0 when it has no
+ * subscription. Never 0 otherwise. */
+uint64_t idemp_window_key(const delivery_t *d);
 
 /* The earliest time a WAIT delivery becomes due (INT64_MAX when none). */
 int64_t idemp_window_next_due(delivery_t *const *win, size_t n);

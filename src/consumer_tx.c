@@ -18,6 +18,8 @@
 
 #define RETRY_BASE_MS 1000
 #define RETRY_MAX_MS 30000
+#define FENCE_POLL_MS 50    /* a moved event looks for its fence this often at first */
+#define FENCE_WARN_MS 30000 /* then says it still waits */
 
 /* Transaction-local, so nothing leaks to other clients of a pooled server connection. */
 #define SQL_SETTINGS                                                                               \
@@ -36,6 +38,48 @@
     "ON CONFLICT DO NOTHING RETURNING event_id) "                                                  \
     "SELECT event_id::text, 'c' FROM ins UNION ALL "                                               \
     "SELECT c.e::text, 's' FROM c, t WHERE c.ts IS NOT NULL AND t.now_s - c.ts >= $4::bigint"
+
+/* The claim of a partitioned group (--partitions > 1), also keeping idem_partition_routes: a
+ * delivery whose subscription was last applied from another partition is not claimed but
+ * reported moved ('m', with that partition and its place in the batch), unless the fence it waits
+ * for has been reached ($7); the others are claimed as above, new subscriptions' routes recorded,
+ * moves whose fence was reached recorded, and the fences taken. See
+ * sql/006_partition_routes.sql. */
+#define SQL_CLAIM_PARTITIONED                                                                      \
+    "WITH c AS (SELECT e, ts, s, p, f, i FROM unnest($2::uuid[], $3::bigint[], $5::uuid[], "       \
+    "$6::int[], $7::uuid[]) WITH ORDINALITY AS c(e, ts, s, p, f, i)), "                            \
+    "t AS (SELECT floor(extract(epoch FROM clock_timestamp()))::bigint AS now_s), "                \
+    "r AS (SELECT subscription_id, partition FROM idem_partition_routes "                          \
+    "WHERE consumer = $1 AND subscription_id IN (SELECT s FROM c)), "                              \
+    "fr AS (SELECT fence_id FROM idem_partition_fences "                                           \
+    "WHERE consumer = $1 AND fence_id IN (SELECT f FROM c)), "                                     \
+    "m AS (SELECT c.i, r.partition AS was FROM c JOIN r ON r.subscription_id = c.s "               \
+    "WHERE r.partition <> c.p AND (c.f IS NULL OR c.f NOT IN (SELECT fence_id FROM fr))), "        \
+    "ok AS (SELECT * FROM c WHERE c.i NOT IN (SELECT i FROM m)), "                                 \
+    "ins AS (INSERT INTO consumed_events (consumer, event_id) SELECT $1, ok.e FROM ok, t "         \
+    "WHERE ok.ts IS NULL OR t.now_s - ok.ts < $4::bigint ORDER BY ok.i "                           \
+    "ON CONFLICT DO NOTHING RETURNING event_id), "                                                 \
+    "rn AS (INSERT INTO idem_partition_routes (consumer, subscription_id, partition) "             \
+    "SELECT DISTINCT ON (ok.s) $1, ok.s, ok.p FROM ok WHERE ok.s IS NOT NULL "                     \
+    "AND ok.s NOT IN (SELECT subscription_id FROM r) ORDER BY ok.s, ok.i ON CONFLICT DO "          \
+    "NOTHING), "                                                                                   \
+    "rm AS (UPDATE idem_partition_routes x SET partition = ok.p, moved_at = now() "                \
+    "FROM ok JOIN r ON r.subscription_id = ok.s WHERE x.consumer = $1 "                            \
+    "AND x.subscription_id = ok.s AND r.partition <> ok.p), "                                      \
+    "fd AS (DELETE FROM idem_partition_fences WHERE consumer = $1 "                                \
+    "AND fence_id IN (SELECT f FROM ok WHERE f IS NOT NULL)) "                                     \
+    "SELECT event_id::text, 'c', NULL, NULL FROM ins UNION ALL "                                   \
+    "SELECT ok.e::text, 's', NULL, NULL FROM ok, t "                                               \
+    "WHERE ok.ts IS NOT NULL AND t.now_s - ok.ts >= $4::bigint UNION ALL "                         \
+    "SELECT NULL, 'm', m.was::text, m.i::text FROM m"
+
+/* Fences reached: recorded for the consumers waiting for them (see consumer.c); fences nobody
+ * took within a day (their waiter went away) are cleared on the way. */
+#define SQL_FENCES_REACHED                                                                         \
+    "WITH old AS (DELETE FROM idem_partition_fences WHERE consumer = $1 "                          \
+    "AND reached_at < now() - interval '1 day') "                                                  \
+    "INSERT INTO idem_partition_fences (consumer, fence_id) "                                      \
+    "SELECT $1, f FROM unnest($2::uuid[]) AS f ON CONFLICT DO NOTHING"
 
 typedef enum { R_OK, R_FALLBACK, R_PAUSE } run_result;
 
@@ -125,6 +169,7 @@ typedef struct attempt {
     idem_outcome outcome;
     char sqlstate[6]; /* of the handler's failed statement */
     bool *claimed, *stale;
+    int *moved; /* the partition a delivery's subscription moved from, -1 when not moved */
 } attempt_t;
 
 static void build_arrays(delivery_t **ds, size_t n, idemp_pgarray_t *ids, idemp_pgarray_t *tss)
@@ -140,15 +185,39 @@ static void build_arrays(delivery_t **ds, size_t n, idemp_pgarray_t *ids, idemp_
     }
 }
 
+/* The partitioned claim's arrays: subscriptions, partitions, awaited fences. */
+static void build_route_arrays(delivery_t **ds, size_t n, idemp_pgarray_t *subs,
+                               idemp_pgarray_t *parts, idemp_pgarray_t *fences)
+{
+    idemp_pgarray_init(subs);
+    idemp_pgarray_init(parts);
+    idemp_pgarray_init(fences);
+    for (size_t i = 0; i < n; i++) {
+        char p[16];
+        snprintf(p, sizeof p, "%d", ds[i]->part);
+        /* a delivery of no known partition (or no subscription) takes no part in routing */
+        bool routed = ds[i]->ev.subscription_id[0] && ds[i]->part >= 0;
+        idemp_pgarray_add(subs, routed ? ds[i]->ev.subscription_id : NULL);
+        idemp_pgarray_add(parts, p);
+        idemp_pgarray_add(fences, ds[i]->fence_id[0] ? ds[i]->fence_id : NULL);
+    }
+}
+
 /* BEGIN, settings and the claim, pipelined in one round trip; marks claimed[] and stale[]. A
  * single delivery leaves pipeline mode here, so that its handler's statements fail one by one
  * (the failure policy needs to know which one failed); a batch stays pipelined. */
 static int claim(idem_consumer_t *c, delivery_t **ds, size_t n, bool single, attempt_t *a)
 {
-    idemp_pgarray_t ids, tss;
+    idemp_pgarray_t ids, tss, subs, parts, fences;
+    bool routed = c->cfg.partitions > 1;
     build_arrays(ds, n, &ids, &tss);
+    build_route_arrays(ds, routed ? n : 0, &subs, &parts, &fences);
     const char *ids_s = idemp_pgarray_str(&ids), *tss_s = idemp_pgarray_str(&tss);
-    int rc = ids_s && tss_s ? IDEM_OK : idem_error_set(&a->err, IDEM_ERR_NOMEM, "out of memory");
+    const char *subs_s = idemp_pgarray_str(&subs), *parts_s = idemp_pgarray_str(&parts),
+               *fences_s = idemp_pgarray_str(&fences);
+    int rc = ids_s && tss_s && subs_s && parts_s && fences_s
+                 ? IDEM_OK
+                 : idem_error_set(&a->err, IDEM_ERR_NOMEM, "out of memory");
     if (rc == IDEM_OK)
         rc = idemp_pg_command(c->pg, "BEGIN", &a->err);
     if (rc == IDEM_OK) {
@@ -157,13 +226,22 @@ static int claim(idem_consumer_t *c, delivery_t **ds, size_t n, bool single, att
     }
     idemp_rows_t *res = NULL;
     if (rc == IDEM_OK) {
-        const char *p[] = {c->consumer, ids_s, tss_s, c->window_s};
-        rc = single ? idemp_pg_pipeline_finish(c->pg, SQL_CLAIM, 4, p, &res, &a->err)
-                    : idemp_pg_exec(c->pg, SQL_CLAIM, 4, p, &res, &a->err);
+        const char *p[] = {c->consumer, ids_s, tss_s, c->window_s, subs_s, parts_s, fences_s};
+        const char *sql = routed ? SQL_CLAIM_PARTITIONED : SQL_CLAIM;
+        int np = routed ? 7 : 4;
+        rc = single ? idemp_pg_pipeline_finish(c->pg, sql, np, p, &res, &a->err)
+                    : idemp_pg_exec(c->pg, sql, np, p, &res, &a->err);
     }
     for (int r = 0; rc == IDEM_OK && r < idemp_rows_count(res); r++) {
+        char kind = idemp_rows_get(res, r, 1)[0];
+        if (kind == 'm') {
+            long i = strtol(idemp_rows_get(res, r, 3), NULL, 10);
+            if (i >= 1 && (size_t)i <= n)
+                a->moved[i - 1] = (int)strtol(idemp_rows_get(res, r, 2), NULL, 10);
+            continue;
+        }
         const char *id = idemp_rows_get(res, r, 0);
-        bool is_stale = idemp_rows_get(res, r, 1)[0] == 's';
+        bool is_stale = kind == 's';
         for (size_t i = 0; i < n; i++) {
             if (memcmp(ds[i]->ev.event_id, id, 36) != 0)
                 continue;
@@ -178,6 +256,9 @@ static int claim(idem_consumer_t *c, delivery_t **ds, size_t n, bool single, att
     idemp_rows_free(res);
     idemp_pgarray_free(&ids);
     idemp_pgarray_free(&tss);
+    idemp_pgarray_free(&subs);
+    idemp_pgarray_free(&parts);
+    idemp_pgarray_free(&fences);
     return rc;
 }
 
@@ -235,6 +316,30 @@ static void attempt(idem_consumer_t *c, delivery_t **ds, size_t n, bool single, 
     idemp_pg_rollback(c->pg);
 }
 
+/* d's subscription was applied from partition was: d waits for its fence (published by
+ * consumer.c when it has none yet), spending no try. */
+static void held_moved(idem_consumer_t *c, delivery_t *d, int was)
+{
+    int64_t now = idemp_now_ms();
+    if (d->held_since == 0)
+        d->held_since = now;
+    d->moved_from = was;
+    if (d->fence_id[0] == '\0') {
+        d->state = D_MOVED;
+        return;
+    }
+    d->state = D_WAIT;
+    int64_t held = now - d->held_since;
+    d->due_ms = now + (held < 1000 ? FENCE_POLL_MS : held < 10000 ? 250 : 1000);
+    if (held >= FENCE_WARN_MS && !d->held_warned) {
+        d->held_warned = true;
+        idemp_consumer_log(IDEM_LOG_WARN, c, d,
+                           "still holding subscription %s: no consumer of partition %d has "
+                           "reached fence %s for %.0f s (is that partition consumed?)",
+                           d->ev.subscription_id, was, d->fence_id, (double)held / 1000.0);
+    }
+}
+
 static run_result run(idem_consumer_t *c, delivery_t **ds, size_t n, bool single,
                       tx_counts_t *counts)
 {
@@ -242,17 +347,31 @@ static run_result run(idem_consumer_t *c, delivery_t **ds, size_t n, bool single
     memset(&a, 0, sizeof a);
     a.claimed = calloc(n, sizeof *a.claimed);
     a.stale = calloc(n, sizeof *a.stale);
-    if (a.claimed == NULL || a.stale == NULL) {
+    a.moved = malloc(n * sizeof *a.moved);
+    if (a.claimed == NULL || a.stale == NULL || a.moved == NULL) {
         free(a.claimed);
         free(a.stale);
+        free(a.moved);
         idemp_consumer_pause(c, "53200", "out of memory");
         return R_PAUSE;
     }
+    for (size_t i = 0; i < n; i++)
+        a.moved[i] = -1;
     attempt(c, ds, n, single, &a);
     run_result result = R_OK;
     if (a.at == AT_NONE) {
         for (size_t i = 0; i < n; i++) {
             delivery_t *d = ds[i];
+            if (a.moved[i] >= 0) {
+                held_moved(c, d, a.moved[i]);
+                continue;
+            }
+            if (d->held_since != 0)
+                idemp_consumer_log(IDEM_LOG_INFO, c, d,
+                                   "applied after %.1f s held: partition %d had applied the "
+                                   "subscription's earlier events",
+                                   (double)(idemp_now_ms() - d->held_since) / 1000.0,
+                                   d->moved_from);
             if (a.stale[i]) {
                 d->dl_code = IDEMP_DL_STALE;
                 snprintf(d->detail, sizeof d->detail,
@@ -318,6 +437,7 @@ static run_result run(idem_consumer_t *c, delivery_t **ds, size_t n, bool single
     }
     free(a.claimed);
     free(a.stale);
+    free(a.moved);
     return result;
 }
 
@@ -338,28 +458,84 @@ static int by_subscription(const void *x, const void *y)
     return a->tag < b->tag ? -1 : a->tag > b->tag;
 }
 
+/* The fences among ds[0..n) are recorded as reached (one statement, its own transaction) and
+ * become DONE; the events are moved to the front of ds. Returns how many events there are (0
+ * when recording failed: the consumer then pauses and everything goes again). */
+static size_t record_fences(idem_consumer_t *c, delivery_t **ds, size_t n)
+{
+    idemp_pgarray_t ids;
+    idemp_pgarray_init(&ids);
+    size_t fences = 0;
+    for (size_t i = 0; i < n; i++)
+        if (ds[i]->fence) {
+            idemp_pgarray_add(&ids, ds[i]->fence_id);
+            fences++;
+        }
+    if (fences > 0) {
+        const char *ids_s = idemp_pgarray_str(&ids);
+        idem_error_t err = {0};
+        int rc = ids_s ? IDEM_OK : idem_error_set(&err, IDEM_ERR_NOMEM, "out of memory");
+        if (rc == IDEM_OK) {
+            const char *p[] = {c->consumer, ids_s};
+            rc = idemp_pg_exec(c->pg, SQL_FENCES_REACHED, 2, p, NULL, &err);
+        }
+        idemp_pgarray_free(&ids);
+        if (rc != IDEM_OK) {
+            const char *st = !idemp_pg_connected(c->pg) ? "08006"
+                             : err.sqlstate[0]          ? err.sqlstate
+                                                        : "XX000";
+            idemp_consumer_pause(c, st, err.text);
+            return 0;
+        }
+    } else {
+        idemp_pgarray_free(&ids);
+    }
+    size_t events = 0;
+    for (size_t i = 0; i < n; i++) {
+        delivery_t *d = ds[i];
+        if (d->fence) {
+            d->state = D_DONE;
+            idemp_consumer_log(IDEM_LOG_DEBUG, c, d, "fence %s reached", d->fence_id);
+        } else {
+            ds[events++] = d;
+        }
+    }
+    return events;
+}
+
 void idemp_consumer_apply(idem_consumer_t *c, delivery_t **ds, size_t n, tx_counts_t *counts)
 {
+    n = record_fences(c, ds, n);
     if (n == 0)
         return;
     qsort(ds, n, sizeof *ds, by_subscription);
     run_result r = run(c, ds, n, n == 1, counts);
     if (r != R_FALLBACK)
         return;
-    /* one by one; a delivery left waiting for its retry holds the rest of its subscription */
-    const char *held = NULL;
+    /* one by one; a delivery left waiting (a retry, a moved subscription) holds the rest of its
+     * key (see idemp_window_key) */
+    uint64_t *held = malloc(n * sizeof *held);
+    size_t nheld = 0;
+    if (held == NULL) {
+        idemp_consumer_pause(c, "53200", "out of memory");
+        return;
+    }
     for (size_t i = 0; i < n; i++) {
         delivery_t *d = ds[i];
         if (c->cfg.stop != NULL && *c->cfg.stop)
-            return; /* the rest stay unacked: the broker gives them to the next consumer */
-        if (held != NULL && d->ev.subscription_id[0] && strcmp(held, d->ev.subscription_id) == 0)
+            break; /* the rest stay unacked: the broker gives them to the next consumer */
+        uint64_t k = idemp_window_key(d);
+        bool behind = false;
+        for (size_t j = 0; k != 0 && j < nheld && !behind; j++)
+            behind = held[j] == k;
+        if (behind)
             continue; /* stays as it was, behind the waiting one */
-        held = NULL;
         if (run(c, &ds[i], 1, true, counts) == R_PAUSE)
-            return;
+            break;
         if (d->state == D_WAIT && timed_out(d))
-            return; /* a lock or a statement timeout: the others would wait as long; next turn */
-        if (d->state == D_WAIT && d->ev.subscription_id[0])
-            held = d->ev.subscription_id;
+            break; /* a lock or a statement timeout: the others would wait as long; next turn */
+        if ((d->state == D_WAIT || d->state == D_MOVED) && k != 0)
+            held[nheld++] = k;
     }
+    free(held);
 }

@@ -42,28 +42,43 @@ static void hold(held_t *hs, uint64_t h)
         hs->h[hs->n++] = h;
 }
 
+uint64_t idemp_window_key(const delivery_t *d)
+{
+    const char *key = d->ev.subscription_id;
+    if (key[0] == '\0')
+        return 0;
+    uint64_t h = key_hash(key);
+    h = (h ^ (uint64_t)(unsigned)d->qidx) * 1099511628211ULL; /* the queue is part of the key */
+    return h | 1;
+}
+
 size_t idemp_window_pick(delivery_t *const *win, size_t n, int64_t now, delivery_t **out,
                          size_t max)
 {
-    held_t hs;
-    hs.n = 0;
-    hs.overflow = false;
+    held_t hs, busy; /* held: stays behind; busy: unfinished, picked or not (for fences) */
+    hs.n = busy.n = 0;
+    hs.overflow = busy.overflow = false;
     size_t got = 0;
     for (size_t i = 0; i < n; i++) {
         delivery_t *d = win[i];
         if (d->state == D_DONE || d->state == D_DEAD)
             continue;
-        const char *key = d->ev.subscription_id;
-        uint64_t h = key[0] ? key_hash(key) : 0;
+        uint64_t h = idemp_window_key(d);
         bool due = d->state == D_READY || (d->state == D_WAIT && d->due_ms <= now);
-        if (h != 0 && is_held(&hs, h))
+        bool blocked = h != 0 && is_held(d->fence ? &busy : &hs, h);
+        if (h != 0)
+            hold(&busy, h);
+        if (blocked) {
+            if (d->fence)
+                hold(&hs, h); /* nothing of its key passes a fence waiting its turn */
             continue;
+        }
         if (due && got < max) {
             out[got++] = d;
             continue;
         }
         if (h != 0)
-            hold(&hs, h); /* it stays behind: so do the later ones of its subscription */
+            hold(&hs, h); /* it stays behind: so do the later ones of its key */
     }
     return got;
 }

@@ -7,7 +7,6 @@
 #include <string.h>
 #include <strings.h>
 
-
 #include "mask.h"
 
 #define MASK "***"

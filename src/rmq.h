@@ -128,6 +128,10 @@ int idemp_amqp_get(idemp_amqp_t *a, const char *queue, int64_t max_body, idemp_m
 int idemp_amqp_queue_depth(idemp_amqp_t *a, const char *queue, uint32_t *messages,
                            idem_error_t *err);
 bool idemp_msg_header_int(const idemp_msg_t *m, const char *name, int64_t *out);
+/* Was m delivered by the consumer of queue (basic.consume's tag is the queue's name)? */
+bool idemp_msg_from_queue(const idemp_msg_t *m, const char *queue);
+/* Was m published to exchange (the exchange it was first published to)? */
+bool idemp_msg_from_exchange(const idemp_msg_t *m, const char *exchange);
 bool idemp_msg_timestamp(const idemp_msg_t *m, uint64_t *out);
 /* Publishes m again through exchange/routing_key (persistent, mandatory, confirmed): without
  * x-idem-error, with x-idem-requeued counting the moves. */
@@ -162,6 +166,14 @@ typedef struct idemp_event_msg {
  * do not fit one frame. */
 int idemp_amqp_publish_event(idemp_amqp_t *a, const char *exchange, const idemp_event_msg_t *e,
                              uint64_t *tag, idem_error_t *err);
+
+/* Publishes a fence (persistent, mandatory, no body; headers x-idem-fence = fence_id and
+ * subscription_id) to exchange with routing key queue, and waits for its confirm: IDEM_OK,
+ * IDEM_ERR_NOT_FOUND when no queue is bound under that key (returned), or a failure of the link
+ * or the broker. */
+int idemp_amqp_publish_fence(idemp_amqp_t *out, const char *exchange, const char *queue,
+                             const char *fence_id, const char *subscription_id, int64_t timeout_ms,
+                             idem_error_t *err);
 
 typedef enum { IDEMP_CONFIRM_ACK, IDEMP_CONFIRM_NACK, IDEMP_CONFIRM_RETURN } idemp_confirm_kind;
 /* For IDEMP_CONFIRM_RETURN, tag is 0 and message_id names the returned message (borrowed, may

@@ -246,8 +246,8 @@ static int skip_body(idemp_amqp_t *a, idem_error_t *err)
 
 /* Reads the content of a message whose method (deliver or get-ok) was just read. */
 static int read_message(idemp_amqp_t *a, uint64_t tag, bool redelivered, amqp_bytes_t exchange,
-                        amqp_bytes_t routing_key, int64_t max_body, idemp_msg_t **out,
-                        idem_error_t *err)
+                        amqp_bytes_t routing_key, amqp_bytes_t consumer_tag, int64_t max_body,
+                        idemp_msg_t **out, idem_error_t *err)
 {
     idemp_msg_t *m = calloc(1, sizeof *m);
     if (m == NULL) {
@@ -260,6 +260,8 @@ static int read_message(idemp_amqp_t *a, uint64_t tag, bool redelivered, amqp_by
     int rc = dup_bytes(&m->pool, exchange, &m->exchange);
     if (rc == AMQP_STATUS_OK)
         rc = dup_bytes(&m->pool, routing_key, &m->routing_key);
+    if (rc == AMQP_STATUS_OK)
+        rc = dup_bytes(&m->pool, consumer_tag, &m->consumer_tag);
     amqp_frame_t f;
     int st =
         rc == AMQP_STATUS_OK ? idemp_amqp_content_frame(a, AMQP_FRAME_HEADER, &f, err) : IDEM_OK;
@@ -330,7 +332,7 @@ int idemp_amqp_next(idemp_amqp_t *a, int64_t max_body, int64_t timeout_ms, idemp
         case AMQP_BASIC_DELIVER_METHOD: {
             const amqp_basic_deliver_t *d = f.payload.method.decoded;
             return read_message(a, d->delivery_tag, d->redelivered, d->exchange, d->routing_key,
-                                max_body, out, err);
+                                d->consumer_tag, max_body, out, err);
         }
         case AMQP_CHANNEL_CLOSE_METHOD:
         case AMQP_CONNECTION_CLOSE_METHOD:
@@ -370,7 +372,23 @@ int idemp_amqp_get(idemp_amqp_t *a, const char *queue, int64_t max_body, idemp_m
         return IDEM_ERR_NOT_FOUND;
     const amqp_basic_get_ok_t *ok = r.reply.decoded;
     return read_message(a, ok->delivery_tag, ok->redelivered, ok->exchange, ok->routing_key,
-                        max_body, out, err);
+                        amqp_empty_bytes, max_body, out, err);
+}
+
+static bool bytes_are(amqp_bytes_t b, const char *s)
+{
+    size_t n = strlen(s);
+    return b.len == n && (n == 0 || memcmp(b.bytes, s, n) == 0);
+}
+
+bool idemp_msg_from_queue(const idemp_msg_t *m, const char *queue)
+{
+    return bytes_are(m->consumer_tag, queue);
+}
+
+bool idemp_msg_from_exchange(const idemp_msg_t *m, const char *exchange)
+{
+    return bytes_are(m->exchange, exchange);
 }
 
 bool idemp_msg_header_int(const idemp_msg_t *m, const char *name, int64_t *out)

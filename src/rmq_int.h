@@ -40,6 +40,7 @@ struct idemp_msg {
     uint64_t tag;
     bool redelivered;
     amqp_bytes_t exchange, routing_key; /* in pool */
+    amqp_bytes_t consumer_tag;          /* in pool; empty for basic.get */
     amqp_pool_t pool;                   /* owns the cloned properties */
     amqp_basic_properties_t props;
     amqp_bytes_t body; /* malloc'd; empty when not read */

@@ -137,8 +137,9 @@ int idemp_amqp_consume(idemp_amqp_t *a, const char *queue, idem_error_t *err)
 {
     if (!a->connected)
         return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s", a->where);
-    amqp_basic_consume(a->conn, IDEMP_CHANNEL, amqp_cstring_bytes(queue), amqp_empty_bytes, 0, 0, 0,
-                       amqp_empty_table);
+    /* the consumer tag is the queue's name: a delivery says which queue it came from */
+    amqp_basic_consume(a->conn, IDEMP_CHANNEL, amqp_cstring_bytes(queue), amqp_cstring_bytes(queue),
+                       0, 0, 0, amqp_empty_table);
     return idemp_amqp_check_rpc(a, amqp_get_rpc_reply(a->conn), "basic.consume", err);
 }
 

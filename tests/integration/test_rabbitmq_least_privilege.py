@@ -41,12 +41,14 @@ def permissions(component, queue=None, partitions=1, no_declare=False):
         return (NONE if no_declare else f"^{ex}$", f"^{ex}$", NONE)
     if component == "consumer":
         own = [q] if partitions == 1 else [rf"{q}\.p[0-9]+"]
-        if no_declare:  # consume its queues, publish dead letters to QUEUE.dlx
-            return (NONE, rf"^{q}\.dlx$", "^(" + "|".join(own) + ")$")
+        if no_declare:  # consume its queues, publish dead letters to QUEUE.dlx (and fences)
+            write = rf"^{q}\.dlx$" if partitions == 1 else rf"^({q}\.dlx|amq\.default)$"
+            return (NONE, write, "^(" + "|".join(own) + ")$")
         if partitions > 1:
             own.append(rf"{q}\.hash")
         configure = [ex, *own, rf"{q}\.dlq", rf"{q}\.dlx"]
-        write = [*own, rf"{q}\.dlq", rf"{q}\.dlx"]
+        # a partitioned group sends fences straight to a partition (the default exchange)
+        write = [*own, rf"{q}\.dlq", rf"{q}\.dlx"] + ([r"amq\.default"] if partitions > 1 else [])
         read = [ex, *own, rf"{q}\.dlx"]
         return tuple("^(" + "|".join(x) + ")$" for x in (configure, write, read))
     if component == "operator":  # dlq list / requeue for one queue
