@@ -164,7 +164,8 @@ sanitize: deps
 	$(MAKE) BUILD=build-san SAN=address,undefined CFLAGS="-O1 -g" all unit
 	rm -rf build-san/reports && mkdir -p build-san/reports
 	IDEM_BIN=$(CURDIR)/build-san/idem IDEM_SQL_DIR=$(CURDIR)/sql \
-	ASAN_OPTIONS=log_path=$(CURDIR)/build-san/reports/asan \
+	IDEM_PROG_CFLAGS="-fsanitize=address,undefined" \
+	ASAN_OPTIONS=log_path=$(CURDIR)/build-san/reports/asan:verify_asan_link_order=0 \
 	UBSAN_OPTIONS=log_path=$(CURDIR)/build-san/reports/ubsan:print_stacktrace=1 \
 	scripts/integration.sh
 	@if [ -n "$$(ls build-san/reports)" ]; then cat build-san/reports/*; exit 1; fi

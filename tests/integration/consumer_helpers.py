@@ -23,7 +23,9 @@ def build_prog(name, out_dir):
     out = os.path.join(str(out_dir), name)
     flags = subprocess.run(["pkg-config", "--cflags", "--libs", "libpq", "jansson"],
                            capture_output=True, text=True, check=True).stdout.split()
-    cmd = ["cc", "-std=c11", "-D_POSIX_C_SOURCE=200809L", "-D_DEFAULT_SOURCE", "-Wall",
+    # under `make sanitize` the library is instrumented: so is the program (IDEM_PROG_CFLAGS)
+    extra = os.environ.get("IDEM_PROG_CFLAGS", "").split()
+    cmd = ["cc", "-std=c11", "-D_POSIX_C_SOURCE=200809L", "-D_DEFAULT_SOURCE", "-Wall", *extra,
            "-I" + os.path.join(REPO, "include"), src, os.path.join(BUILD, "libidem.so"), *flags,
            "-Wl,-rpath," + BUILD, "-o", out]
     r = subprocess.run(cmd, capture_output=True, text=True)
