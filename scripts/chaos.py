@@ -113,6 +113,8 @@ def parse_args(argv):
         a.fault_kinds = faults.parse_kinds(a.faults)
     except ValueError as e:
         ap.error(str(e))
+    if a.partitions == 1:
+        a.fault_kinds.discard("ring-move")  # there is no ring
     if a.subs < 1 or a.events < a.subs or a.emitters < 1 or a.relays < 1 or a.consumers < 1:
         ap.error("need --subs >= 1, --events >= --subs, and at least one emitter, relay, consumer")
     if a.partitions < 1:

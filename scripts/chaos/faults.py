@@ -10,6 +10,7 @@ import random
 import threading
 import time
 
+import pika
 import psycopg2
 
 # kind -> (group, what it does)
@@ -21,6 +22,8 @@ KINDS = {
     "seam-after-publish": ("process", "restart a relay with IDEM_FAULT=relay.after_publish:N"),
     "pg-restart": ("server", "pg_ctl -m immediate stop, then start PostgreSQL (once)"),
     "rmq-restart": ("server", "stop, then start RabbitMQ (once)"),
+    "ring-move": ("server", "bind the partitions to the hash exchange again in another order: "
+                            "subscriptions move between partitions, as after a RabbitMQ restart"),
     "freeze-resume": ("link", "freeze a daemon's AMQP link for 2-8 s, then resume it"),
     "freeze-drop": ("link", "freeze a daemon's AMQP link for 2-8 s, then reset it"),
     "pg-cancel": ("db", "pg_cancel_backend on a busy idem connection"),
@@ -33,7 +36,8 @@ ONCE = {"pg-restart", "rmq-restart"}
 # Relative frequency once every kind has had its turn.
 WEIGHTS = {"kill-relay": 3, "kill-consumer": 3, "seam-before-commit": 1, "seam-after-commit": 2,
            "seam-after-publish": 2, "freeze-resume": 1, "freeze-drop": 1, "pg-cancel": 2,
-           "pg-terminate": 2, "lock-outbox": 1, "sqlstate-25006": 1, "sqlstate-53100": 1}
+           "pg-terminate": 2, "lock-outbox": 1, "sqlstate-25006": 1, "sqlstate-53100": 1,
+           "ring-move": 1}
 LOCK_HOLD_S = 7.0  # longer than the daemons' lock timeout (5 s)
 # How long the LOCK statement itself may wait: longer than the daemons' lock timeout, so that a
 # daemon blocked behind the queued request times out and lets it through, as with a real DDL.
@@ -155,8 +159,10 @@ class Injector:
         if group == "link" and ("rmq-restart" in active or
                                 not any(ln.open_links() for ln in self.run.listeners.values())):
             return False
-        if kind == "rmq-restart" and active & {"freeze-resume", "freeze-drop"}:
+        if kind == "rmq-restart" and active & {"freeze-resume", "freeze-drop", "ring-move"}:
             return False
+        if kind == "ring-move" and "rmq-restart" in active:
+            return False  # it needs the broker
         if group == "process":
             if kind.startswith("seam-") and "pg-restart" in active:
                 return False  # a graceful stop needs its server
@@ -176,7 +182,7 @@ class Injector:
         f.started = time.monotonic()
         f.started_at = self.run.now()
         handler = {"kill": self._kill, "seam": self._seam, "pg": self._pg, "rmq": self._rmq,
-                   "freeze": self._freeze, "lock": self._lock,
+                   "freeze": self._freeze, "lock": self._lock, "ring": self._ring,
                    "sqlstate": self._sqlstate}[f.kind.split("-")[0]]
         handler(f)
 
@@ -267,6 +273,34 @@ class Injector:
             return
         self.run.servers.rmq_start()
         f.detail = f"down {time.monotonic() - t0:.1f} s"
+
+    def _ring(self, f):
+        parts = self.run.work_queues
+        f.target = parts[0].rsplit(".p", 1)[0] + ".hash"
+        if len(parts) < 2:
+            f.detail = "no partitions"
+            return self._done(f, False)
+        self._in_thread(f, self._ring_move)
+
+    def _ring_move(self, f):
+        """Unbinds every partition from the hash exchange and binds them again in a new order:
+        the ring numbers its buckets in binding order, so subscriptions change partition."""
+        parts = self.run.work_queues
+        current = getattr(self, "ring_order", sorted(parts))
+        order = list(current)
+        while order == current:
+            self.rng.shuffle(order)
+        conn = pika.BlockingConnection(pika.URLParameters(self.run.servers.amqp_url))
+        try:
+            ch = conn.channel()
+            for q in parts:
+                ch.queue_unbind(q, f.target, routing_key="1")
+            for q in order:
+                ch.queue_bind(q, f.target, routing_key="1")
+        finally:
+            conn.close()
+        self.ring_order = order
+        f.detail = "partitions bound in the order " + ", ".join(q.rsplit(".", 1)[1] for q in order)
 
     def _backend(self, f, func):
         """Cancels or terminates an idem backend, preferring one inside a statement or a
