@@ -34,8 +34,8 @@ the whole machine (/proc/stat; what none of these used is other load), and Postg
 flushes (pg_stat_wal, with track_wal_io_timing on for the phase) and the group's transactions:
 what bounds the figures is in the notes and in latest.json ("scale").
 """
+import json
 import os
-import re
 import shlex
 import shutil
 import statistics
@@ -286,6 +286,13 @@ def _cores_text(m):
     return text
 
 
+def _steps_text(b):
+    if not b or not b.get("batches"):
+        return "no batch timings"
+    return ("a batch (median ms): claim {claim_ms:.1f}, publish {publish_ms:.1f}, confirm wait "
+            "{confirm_wait_ms:.1f}, mark + commit {mark_commit_ms:.1f}").format(**b)
+
+
 def _median_meter(ms):
     """The per-drain accounting, each number the median over the drains."""
     if not ms:
@@ -293,10 +300,60 @@ def _median_meter(ms):
     keys = [k for k, v in ms[0].items() if isinstance(v, (int, float)) and k != "cpus"]
     out = {k: statistics.median(m[k] for m in ms if m.get(k) is not None)
            if any(m.get(k) is not None for m in ms) else None for k in keys}
-    for sub in ("cores", "cpu_us_per_event"):
+    for sub in ("cores", "cpu_us_per_event", "batch"):
         if ms[0].get(sub):
-            out[sub] = {k: statistics.median(m[sub][k] for m in ms) for k in ms[0][sub]}
+            out[sub] = {}
+            for k in ms[0][sub]:
+                v = [m[sub][k] for m in ms if (m.get(sub) or {}).get(k) is not None]
+                out[sub][k] = statistics.median(v) if v else None
     out["cpus"] = ms[0]["cpus"]
+    return out
+
+
+# ---------------------------------------------------------------------------- daemons' logs
+
+DEBUG_JSON = ["--log-level", "debug", "--log-format", "json"]  # one line per batch committed
+
+
+def _spawn_logged(B, argv, name):
+    """B.spawn with the offset of the new process's lines in its (appended) log file."""
+    path = os.path.join(B.A.logs, name + ".log")
+    offset = os.path.getsize(path) if os.path.exists(path) else 0
+    return B.spawn(argv, name), offset
+
+
+def _log_lines(d, offset):
+    """The JSON lines a daemon (spawned with DEBUG_JSON) logged after offset."""
+    out = []
+    with open(d.logpath, "rb") as f:
+        f.seek(offset)
+        for line in f.read().decode(errors="replace").splitlines():
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    pass
+    return out
+
+
+def _consumer_batches(lines, wall):
+    """From a consumer's "batch committed" lines (applied, ms from the batch's start to its
+    commit): batches, median ms, and the share of the drain spent inside transactions."""
+    ms = [float(o["ms"]) for o in lines if o.get("msg") == "batch committed" and "ms" in o]
+    return {"batches": len(ms), "batch_ms_median": statistics.median(ms) if ms else None,
+            "in_transaction_pct": 100.0 * sum(ms) / 1000.0 / wall if wall else None}
+
+
+RELAY_STEPS = ("claim_ms", "publish_ms", "confirm_wait_ms", "mark_commit_ms")
+
+
+def _relay_batches(lines):
+    """From the relay's "batch committed" lines: batches, and the median of each step's ms."""
+    bs = [o for o in lines if o.get("msg") == "batch committed" and "confirm_wait_ms" in o]
+    out = {"batches": len(bs)}
+    for k in RELAY_STEPS:
+        v = [float(o[k]) for o in bs if k in o]
+        out[k] = statistics.median(v) if v else None
     return out
 
 
@@ -389,8 +446,9 @@ def _drain(B, p, n, paid, r):
     """Group P drains its queues (filled); returns the drain's record."""
     _reset_state(B)
     amqp = B.SERVERS.amqp_url
-    procs = [B.spawn(B.idem("--amqp", amqp, *_group_cmd(p, i)) + shlex.split(B.A.consumer_flags),
-                     f"group{p}-{i}") for i in range(p)]
+    spawned = [_spawn_logged(B, B.idem("--amqp", amqp, *DEBUG_JSON, *_group_cmd(p, i)) +
+                             shlex.split(B.A.consumer_flags), f"group{p}-{i}") for i in range(p)]
+    procs = [d for d, _ in spawned]
     meter = Meter(B, procs, pg_pids(B.SERVERS.svc_dir), rmq_pids(B.SERVERS.svc_dir), n).start()
     try:
         B.wait_for(lambda: B.one("SELECT count(*) FROM consumed_events WHERE consumer = %s",
@@ -403,6 +461,7 @@ def _drain(B, p, n, paid, r):
     if any(rc != 0 for rc in rcs):
         B.check(f"scale round {r + 1}, P={p}: exit codes after SIGTERM {rcs}")
     m.update(meter.wal())
+    m["per_process"] = [_consumer_batches(_log_lines(d, off), m["wall_s"]) for d, off in spawned]
     rate, rows, span = B.commit_rate("consumed_events", "consumer = %s", (GROUP_CONSUMER,))
     txs = B.one("SELECT count(DISTINCT xmin::text) FROM consumed_events WHERE consumer = %s",
                 (GROUP_CONSUMER,))
@@ -421,9 +480,13 @@ def _drain(B, p, n, paid, r):
               "span_s": span, "transactions": txs, "events_per_tx": rows / txs if txs else None,
               "order_mismatches": wrong, "peak_rss_kib": rss})
     B.sample(f"scale.consumer.{p}", rate)
+    m["in_transaction_pct"] = statistics.median(x["in_transaction_pct"] or 0
+                                                for x in m["per_process"])
+    m["batch_ms_median"] = statistics.median(x["batch_ms_median"] or 0 for x in m["per_process"])
     B.log(f"scale round {r + 1}: P={p} {rate:.0f} events/s over {rows} events in {txs} "
           f"transactions; {_cores_text(m)}; WAL fsync busy {m['wal_sync_busy_pct']:.0f}% "
-          f"({m['wal_syncs']} fsyncs)")
+          f"({m['wal_syncs']} fsyncs); a process in a transaction "
+          f"{m['in_transaction_pct']:.0f}% of the time, {m['batch_ms_median']:.1f} ms a batch")
     return m
 
 
@@ -492,7 +555,9 @@ def phase_consumer(B):
             continue
         ratio = f" ({rate / base:.2f}x P=1)" if base and p != 1 else ""
         B.note(f"scale P={p}: {rate:,.0f} events/s{ratio}; during the drain (medians): "
-               f"{_cores_text(m)}; {m['events_per_tx']:.0f} events per transaction; WAL fsyncs "
+               f"{_cores_text(m)}; {m['events_per_tx']:.0f} events per transaction, "
+               f"{m['batch_ms_median']:.1f} ms each, a process inside one "
+               f"{m['in_transaction_pct']:.0f}% of the time; WAL fsyncs "
                f"{m['wal_syncs'] / m['wall_s']:.0f}/s, busy {m['wal_sync_busy_pct']:.0f}% of "
                f"the time ({m['wal_sync_ms_mean'] or 0:.2f} ms each)")
 
@@ -572,19 +637,22 @@ def _relay_drain(B, label, amqp, broker, rmq_roots, idle_roots, n, r):
     B.truncate("event_outbox")
     B.emit_backlog(n, f"scale-{label}-r{r}")
     broker.purge_queue(SINK)
-    relay = B.spawn(B.relay_cmd() + ["--amqp", amqp], f"scale-relay-{label}")
+    relay, offset = _spawn_logged(B, B.relay_cmd() + ["--amqp", amqp] + DEBUG_JSON,
+                                  f"scale-relay-{label}")
     meter = Meter(B, [relay], pg_pids(B.SERVERS.svc_dir), rmq_roots, n, idle_roots).start()
     try:
         B.wait_for(lambda: not B.pending_left(), max(120, n / 300), f"relay draining ({label})",
                    [relay], 0.05)
         m = meter.stop()
         B.note_rss("relay", [relay])
-        server = re.findall(r"connected to RabbitMQ.* server=(\S+)", relay.log())
     finally:
         rc = B.stop(relay)
     if rc != 0:
         B.check(f"scale relay ({label}) exit code after SIGTERM: {rc}")
     m.update(meter.wal())
+    lines = _log_lines(relay, offset)
+    m["batch"] = _relay_batches(lines)
+    server = [o.get("server") for o in lines if o.get("msg", "").startswith("connected to RabbitMQ")]
     rate, rows, span = B.commit_rate("event_outbox", "status = 'sent'")
     info = broker.queue_info(SINK)
     depth = info[0] if info else -1
@@ -594,7 +662,8 @@ def _relay_drain(B, label, amqp, broker, rmq_roots, idle_roots, n, r):
     B.sample(f"scale.relay.{label}", rate)
     m.update({"broker": label, "round": r + 1, "rate": rate, "rows": rows, "span_s": span,
               "connected_to": server[-1] if server else None})
-    B.log(f"scale round {r + 1}: relay -> {label} {rate:.0f} msg/s; {_cores_text(m)}")
+    B.log(f"scale round {r + 1}: relay -> {label} {rate:.0f} msg/s; {_cores_text(m)}; "
+          f"{_steps_text(m['batch'])}")
     return m
 
 
@@ -654,4 +723,4 @@ def phase_cluster(B):
         ratio = f" ({v / single:.2f}x the single node)" if k == "cluster" and single else ""
         what = "the single node" if k == "single" else f"the {A.scale_nodes}-node cluster"
         B.note(f"scale relay -> {what}: {v:,.0f} msg/s{ratio}; during the drain (medians): "
-               f"{_cores_text(med[k])}")
+               f"{_cores_text(med[k])}; {_steps_text(med[k].get('batch'))}")
