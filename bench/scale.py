@@ -30,9 +30,11 @@ scale-cluster
 
 Both record, per drain, the CPU time of idem's processes (the harness's /proc accounting), of
 PostgreSQL (the postmaster and its children), of RabbitMQ (each node's beam and children), of
-the whole machine (/proc/stat; what none of these used is other load), and PostgreSQL's WAL
-flushes (pg_stat_wal, with track_wal_io_timing on for the phase) and the group's transactions:
-what bounds the figures is in the notes and in latest.json ("scale").
+the whole machine (/proc/stat; what none of these used is other load), PostgreSQL's WAL
+flushes (pg_stat_wal, with track_wal_io_timing on for the phase), the group's transactions, and
+the measured daemons' own "batch committed" lines (they run with --log-level debug --log-format
+json): a consumer's transaction times, the relay's claim / publish / confirm wait / mark split.
+What bounds the figures is in the notes and in latest.json ("scale").
 """
 import json
 import os
