@@ -120,8 +120,8 @@ def parse_args():
     ap.add_argument("--chart", metavar="JSON",
                     help="only draw the chart of a results file (latest.json), beside it")
     ap.add_argument("--only", default=os.environ.get("BENCH_ONLY", ""),
-                    help="comma-separated phases: relay,consumer,latency,claim,scale (scale-consumer "
-                         "and scale-cluster; default all)")
+                    help="comma-separated phases: relay,consumer,latency,claim,scale "
+                         "(scale = scale-consumer and scale-cluster); default all")
     ap.add_argument("--events", type=int, default=env_int("BENCH_EVENTS", 100000))
     ap.add_argument("--subscriptions", type=int, default=env_int("BENCH_SUBSCRIPTIONS", 500))
     ap.add_argument("--rounds", type=int, default=env_int("BENCH_ROUNDS", 3))

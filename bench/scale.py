@@ -654,7 +654,8 @@ def _relay_drain(B, label, amqp, broker, rmq_roots, idle_roots, n, r):
     m.update(meter.wal())
     lines = _log_lines(relay, offset)
     m["batch"] = _relay_batches(lines)
-    server = [o.get("server") for o in lines if o.get("msg", "").startswith("connected to RabbitMQ")]
+    server = [o.get("server") for o in lines
+              if o.get("msg", "").startswith("connected to RabbitMQ")]
     rate, rows, span = B.commit_rate("event_outbox", "status = 'sent'")
     info = broker.queue_info(SINK)
     depth = info[0] if info else -1
