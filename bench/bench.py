@@ -30,6 +30,11 @@ Phases (all in one run, so the ratios compare figures taken under the same condi
             planning + execution, server side; the relay daemon is paused with SIGSTOP while
             --claim-pending rows are emitted, then resumed to drain them), alone and beside
             --claim-sent sent rows.
+  scale     (bench/scale.py; `scale-consumer` and `scale-cluster` one each) a partitioned
+            consumer group of P = 1, 2, 4 processes draining the same --scale-events billing
+            backlog, and one relay draining --scale-events pending rows into a 3-node RabbitMQ
+            cluster beside the single node; with the CPU of idem, PostgreSQL and RabbitMQ and
+            PostgreSQL's WAL flushes during each drain.
 
 Throughputs come from the database's commit timestamps (track_commit_timestamp, turned on by
 this script): (rows - rows of the first commit) / (last commit - first commit), the same for
@@ -67,6 +72,7 @@ except ImportError as e:
              "python3-pika, or make deps)")
 import chart  # noqa: E402
 import loadgen  # noqa: E402
+import scale  # noqa: E402
 
 PY = "/usr/bin/python3"
 T0 = time.monotonic()
@@ -114,7 +120,8 @@ def parse_args():
     ap.add_argument("--chart", metavar="JSON",
                     help="only draw the chart of a results file (latest.json), beside it")
     ap.add_argument("--only", default=os.environ.get("BENCH_ONLY", ""),
-                    help="comma-separated phases: relay,consumer,latency,claim (default all)")
+                    help="comma-separated phases: relay,consumer,latency,claim,scale "
+                         "(scale = scale-consumer and scale-cluster); default all")
     ap.add_argument("--events", type=int, default=env_int("BENCH_EVENTS", 100000))
     ap.add_argument("--subscriptions", type=int, default=env_int("BENCH_SUBSCRIPTIONS", 500))
     ap.add_argument("--rounds", type=int, default=env_int("BENCH_ROUNDS", 3))
@@ -140,6 +147,7 @@ def parse_args():
     ap.add_argument("--consumer-flags", default=os.environ.get("BENCH_CONSUMER_FLAGS", ""))
     ap.add_argument("--out", default=os.environ.get("BENCH_OUT", os.path.join(HERE, "results")))
     ap.add_argument("--logs", default=os.environ.get("BENCH_LOGS", ""))
+    scale.add_args(ap)
     a = ap.parse_args()
     if a.quick:
         a.events = min(a.events, 10000)
@@ -153,6 +161,7 @@ def parse_args():
         a.claim_sent = min(a.claim_sent, 100000)
     a.relays = [int(x) for x in a.relays.replace(" ", ",").split(",") if x]
     a.only = set(x for x in a.only.replace(" ", ",").split(",") if x)
+    scale.finish_args(a)
     return a
 
 
@@ -897,6 +906,7 @@ def build_rows():
         cf and cf["per_batch_ms"], "ms", cb and cb["per_batch_ms"],
         f"same, {A.claim_pending:,} pending and no sent rows", "ms", "<= 2 ms",
         lambda v, x: v <= 2)
+    scale.add_rows(sys.modules[__name__], add)
     return rows
 
 
@@ -955,6 +965,7 @@ def write_results(rows, meta):
     doc = {"meta": meta, "rows": rows, "samples": RES["samples"],
            "latency_idle": RES.get("latency_idle"), "idle_cpu_pct": RES.get("idle_cpu_pct"),
            "claim_base": RES.get("claim_base"), "claim_full": RES.get("claim_full"),
+           "scale": RES.get("scale"),
            "notes": RES["notes"], "checks": RES["checks"], "errors": RES["errors"]}
     os.makedirs(A.out, exist_ok=True)
     svg = os.path.join(A.out, "latest.svg")
@@ -1034,7 +1045,9 @@ def main():
             "host": platform.node(), "cpus": os.cpu_count(), "load_start": load_avg(),
             "idem": A.idem, "have_idem": None}
     phases = [("relay", phase_relay), ("consumer", phase_consumer),
-              ("latency", phase_latency), ("claim", phase_claim)]
+              ("latency", phase_latency), ("claim", phase_claim),
+              ("scale-consumer", lambda: scale.phase_consumer(sys.modules[__name__])),
+              ("scale-cluster", lambda: scale.phase_cluster(sys.modules[__name__]))]
     try:
         work = start_servers()
         SERVERS.export()  # the tools (loadgen.py, recipe.py, raw_*, emit_rate) read them
