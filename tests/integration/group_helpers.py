@@ -321,6 +321,9 @@ class Emitter(threading.Thread):
             i = 0
             while i < len(self.events) and not self.stop_flag.is_set():
                 chunk = self.events[i:i + self.per_tx]
+                # a transaction emitting for several subscriptions takes their locks in one
+                # global order (the consumers' batches take them sorted too), as the README asks
+                ordered = sorted(chunk, key=lambda e: e.sub)
                 due = t0 + i / self.rate
                 if due > time.monotonic():
                     time.sleep(due - time.monotonic())
@@ -329,7 +332,7 @@ class Emitter(threading.Thread):
                     if conn is None or conn.closed:
                         conn = self._connect()
                     with conn.cursor() as cur:
-                        for e in chunk:
+                        for e in ordered:
                             cur.execute("SELECT idem_emit(%s, %s::uuid, %s, %s::jsonb)::text",
                                         (e.type, e.sub, e.key, json.dumps(e.body)))
                             got = cur.fetchone()[0]
@@ -343,7 +346,8 @@ class Emitter(threading.Thread):
                     with contextlib.suppress(Exception):
                         conn.close()
                     conn = None
-                    if not self.retry:
+                    # a deadlock or serialization failure is retried as any application would
+                    if not self.retry and exc.pgcode not in ("40P01", "40001"):
                         raise
                     time.sleep(0.1)
                     continue
