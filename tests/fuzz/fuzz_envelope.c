@@ -90,7 +90,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         FZ_CHECK(out.subscription_id[0] == '\0' || canonical(out.subscription_id),
                  "subscription '%s' not canonical", out.subscription_id);
         /* the id came from message_id, else from the header, normalised */
-        idemp_str_t src = (in.message_id.ptr && in.message_id.len) ? in.message_id : in.hdr_event_id;
+        idemp_str_t src =
+            (in.message_id.ptr && in.message_id.len) ? in.message_id : in.hdr_event_id;
         char want[37];
         FZ_CHECK(idemp_uuid_normalize(src.ptr, src.len, want) && strcmp(want, out.event_id) == 0,
                  "event id %s is not the normalised source", out.event_id);

@@ -56,7 +56,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     FZ_CHECK(rc == AMQP_STATUS_OK, "dup_bytes %d", rc);
     rc = clone_props(decoded, &m->props, &m->pool);
     /* known: amqp_table_clone refuses an empty header name, and read_message() takes that for
-     * out-of-memory and drops the connection (corpus/fuzz_props_envelope/regress-empty_header_name) */
+     * out-of-memory and drops the connection (corpus/fuzz_props_envelope/regress-empty_header_name)
+     */
     if (fz_skip_known() && rc == AMQP_STATUS_INVALID_PARAMETER) {
         idemp_msg_free(m);
         empty_amqp_pool(&wire);
@@ -78,9 +79,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     idemp_msg_envelope_in(m, &in);
     idemp_envelope_t env;
     char detail[512];
-    idemp_dl_code code =
-        idemp_envelope_parse(&in, (flags & 2) ? 16 : 1048576, 1790000000000LL, &env, detail,
-                             sizeof detail);
+    idemp_dl_code code = idemp_envelope_parse(&in, (flags & 2) ? 16 : 1048576, 1790000000000LL,
+                                              &env, detail, sizeof detail);
     if (code == IDEMP_DL_NONE) {
         json_decref(env.payload);
         code = IDEMP_DL_HANDLER_REJECTED; /* still dead-letter it below */
