@@ -95,7 +95,7 @@ def seeds_url():
     w("at_in_pw", 1, "amqp://user:pa@ss@host/")
     w("noscheme", 0, "user:secret@host:1")
     w("list", 1, "amqp://a:secret1@h1,amqp://b:secret2@h2/v")
-    w("conninfo", 3, "host=db port=5432 password='se cr\\'et' sslpassword=keypass user=x")
+    w("conninfo", 3, "host=db port=5432 password='se cr\\'et' sslmode=verify-full user=x")
     w("pguri", 3, "postgresql://app:hunter22@db:5432/billing?sslmode=require")
     w("query_pw", 3, "postgresql://db/x?password=hunter22&sslmode=require")
     w("newline", 1, "error at amqp://u:line\nbreak@h\tand more\n")
