@@ -31,7 +31,6 @@ import json
 import os
 import re
 import struct
-import subprocess
 import sys
 import time
 import urllib.parse
@@ -692,12 +691,12 @@ def test_json_log_keeps_the_dead_letter_line(stage, broker, print_logs_on_failur
         m.publish(broker, c.queue)
         wait_until(lambda: (broker.queue_info(c.queue + ".dlq") or (0,))[0] >= 1, WITHIN, 0.1,
                    "the copy in the DLQ")
-        lines = [json.loads(l) for l in c.log().splitlines() if l.startswith("{")]
-        ours = [l for l in lines if l.get("event_id") == m.event_id]
+        lines = [json.loads(t) for t in c.log().splitlines() if t.startswith("{")]
+        ours = [x for x in lines if x.get("event_id") == m.event_id]
         assert ours, f"no log line names {m.event_id}: {lines[-5:]}"
-        for l in ours:
-            assert "msg" in l and "event_type" in l, f"a field vanished: {l}"
-            assert "unknown_type" in l["msg"], l
+        for x in ours:
+            assert "msg" in x and "event_type" in x, f"a field vanished: {x}"
+            assert "unknown_type" in x["msg"], x
     finally:
         stage.done_with(c)
 
