@@ -720,3 +720,24 @@ def test_dlq_list_survives_an_empty_header_name(stage, broker):
                  amqp_url=stage.servers.amqp_url)
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout)) == 2, r.stdout
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "idemp_amqp_requeue (src/rmq_publish.c) counts moves + 1 in int64_t: a copy carrying "
+    "x-idem-requeued = 2^63-1 overflows (undefined behaviour; UBSan reports it) and wraps negative"))
+def test_requeue_count_does_not_wrap(stage, broker):
+    """x-idem-requeued is whatever the copy carries: `idem dlq requeue` must not overflow it."""
+    from conftest import run_idem
+    q = stage.new_queue("requeue_wrap")
+    with broker.channel() as ch:
+        ch.queue_declare(queue=q + ".dlq", durable=True)
+        ch.queue_declare(queue=q, durable=True)
+    eid = new_id()
+    broker.to_queue(q + ".dlq", b"{}", message_id=eid, type=PF, timestamp=int(time.time()),
+                    headers={"x-idem-error": "malformed_json: x", "x-idem-requeued": 2 ** 63 - 1})
+    r = run_idem("dlq", "requeue", "--queue", q, "--all", pg_url=stage.db.url,
+                 amqp_url=stage.servers.amqp_url)
+    assert r.returncode == 0, r.stderr
+    [d] = broker.get_all(q)
+    n = d.headers.get("x-idem-requeued")
+    assert n is not None and 0 < n <= 2 ** 63 - 1, f"x-idem-requeued became {n}"
