@@ -142,6 +142,10 @@ def regressions():
     with open(os.path.join(HERE, "corpus", "fuzz_amqp_url_mask", "regress-blank_in_password"),
               "wb") as f:
         f.write(bytes([1, 200]) + b"amqp://user:pass word@host/")
+    # the same in a PostgreSQL URI, whose password libpq reads with its blanks
+    with open(os.path.join(HERE, "corpus", "fuzz_amqp_url_mask", "regress-blank_in_pg_uri_password"),
+              "wb") as f:
+        f.write(bytes([3, 200]) + b"postgresql://u:top secret@h/db")
     # an empty header name: amqp_table_clone refuses it
     p = props(message_id=U, type="payment.failed", headers={"": "x"})
     with open(os.path.join(HERE, "corpus", "fuzz_props_envelope", "regress-empty_header_name"),

@@ -70,6 +70,15 @@ static void test_blank_in_url_password_masked(void **state)
     expect_parsed_password_hidden("amqp://user:pass\tword@host/", "word");
 }
 
+/* regress-blank_in_pg_uri_password: libpq takes a blank into a URI's password, and echoes the
+ * URI in quotes in its parse errors */
+static void test_blank_in_pg_uri_password_masked(void **state)
+{
+    (void)state;
+    expect_hidden("postgresql://u:top secret@h/db", "secret", false);
+    expect_hidden("in URI: \"postgresql://u:top secret@[::1/db\"", "secret", true);
+}
+
 /* An invalid URL is echoed in the error: no part of its password may show, whether a blank or a
  * ',' (which splits the list) cut it. */
 static void expect_error_hides(const char *urls, const char *secret)
@@ -208,6 +217,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sslpassword_masked),
         cmocka_unit_test(test_blank_in_url_password_masked),
+        cmocka_unit_test(test_blank_in_pg_uri_password_masked),
         cmocka_unit_test(test_invalid_url_error_hides_password),
         cmocka_unit_test(test_type_with_nul_is_not_the_type_before_it),
         cmocka_unit_test(test_headers_json_nonutf8_key_freed_once),
