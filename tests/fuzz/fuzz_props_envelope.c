@@ -15,7 +15,11 @@
  * carry x-idem-error (the contract: dead-lettering never fails because of what the message
  * carries), and the headers rendered for SQL handlers are a JSON object. */
 #include "../../src/rmq_deliver.c"
+/* the frame_max a broker negotiated, as rmq_publish.c asks for it: chosen per input below */
+static int fz_frame_max;
+#define amqp_get_frame_max(conn) ((void)(conn), fz_frame_max)
 #include "../../src/rmq_publish.c"
+#undef amqp_get_frame_max
 
 #include "envelope.h"
 #include "fuzz_common.h"
@@ -117,11 +121,24 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         free(hj);
     }
 
-    /* the dead-letter copy's properties, as idemp_amqp_dead_letter builds them */
+    /* the dead-letter copy's properties, as idemp_amqp_dead_letter builds them; with flags bit
+     * 2, as if the broker had negotiated AMQP's smallest frame_max (4096; RabbitMQ's frame_max
+     * setting allows it), for a message whose properties fitted such a frame when they arrived */
     char reason[700];
     snprintf(reason, sizeof reason, "%s: %s", idemp_dl_code_name(code), detail);
     struct idemp_amqp out;
     memset(&out, 0, sizeof out);
+    fz_frame_max = IDEMP_FRAME_MAX;
+    if (flags & 4) {
+        fz_frame_max = 4096;
+        out.conn = (amqp_connection_state_t)&fz_frame_max; /* only its frame_max is asked */
+        if (encoded_size(&out, &m->props) < 0) { /* could not have arrived in such a frame */
+            idemp_msg_free(m);
+            free(out.scratch);
+            free(rk);
+            return 0;
+        }
+    }
     int old = (m->props._flags & AMQP_BASIC_HEADERS_FLAG) ? m->props.headers.num_entries : 0;
     amqp_table_entry_t *entries = calloc((size_t)old + 4, sizeof *entries);
     char dropped[1024];
@@ -136,7 +153,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         has_err |= key_is(&p.headers.entries[i], "x-idem-error");
     FZ_CHECK(has_err, "no x-idem-error");
     /* and it decodes again, as the broker and the next reader will */
-    amqp_bytes_t buf = {IDEMP_FRAME_MAX, out.scratch};
+    amqp_bytes_t buf = {(size_t)fz_frame_max, out.scratch};
     int n = amqp_encode_properties(AMQP_BASIC_CLASS, &p, buf);
     FZ_CHECK(n > 0, "encode %d", n);
     amqp_pool_t again;

@@ -124,6 +124,10 @@ def seeds_props():
     w("nested", "", props(message_id=U, headers={"a": {"b": {"c": [1, 2, {"d": True}]}}}))
     w("oversized", pf, props(message_id=U, type=pf), body=b"x" * 100, flags=1)
     w("many", pf, props(message_id=U, headers={f"h{i}": "v" * 50 for i in range(40)}))
+    # for a broker that negotiated frame_max 4096 (flags bit 2): the copy must drop headers
+    w("small_frame", pf, props(message_id=U, type=pf, expiration="1000", user_id="guest",
+                               headers={f"h{i:02d}": "v" * 100 for i in range(36)}),
+      body=b"{", flags=4)
     w("nonutf8_key", pf, props(message_id=U, type=pf, headers={"ok": "v"}))
 
 
