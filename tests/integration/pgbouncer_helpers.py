@@ -16,7 +16,8 @@ import urllib.parse
 import psycopg2
 import pytest
 
-from conftest import _die_with_parent, free_port, wait_until
+from conftest import free_port, wait_until
+from idem_harness import die_with_parent as _die_with_parent
 
 PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
 
