@@ -150,6 +150,17 @@ def regressions():
     with open(os.path.join(HERE, "corpus", "fuzz_amqp_url_mask", "regress-blank_in_pg_uri_password"),
               "wb") as f:
         f.write(bytes([3, 200]) + b"postgresql://u:top secret@h/db")
+    # libpq skips any blank around a keyword's '=', the mask only ' '
+    with open(os.path.join(HERE, "corpus", "fuzz_amqp_url_mask",
+                           "regress-newline_after_password_equals"), "wb") as f:
+        f.write(bytes([3, 200]) + b"host=db password=\n hunter22 user=x")
+    # '&' ends the mask's value (right in a URI query only); libpq's backslash escapes
+    with open(os.path.join(HERE, "corpus", "fuzz_amqp_url_mask", "regress-ampersand_in_password"),
+              "wb") as f:
+        f.write(bytes([3, 200]) + b"host=db password=abc&hunter22 user=x")
+    with open(os.path.join(HERE, "corpus", "fuzz_amqp_url_mask", "regress-escaped_blank_in_password"),
+              "wb") as f:
+        f.write(bytes([3, 200]) + b"host=db password=abc\\ hunter22 user=x")
     # an empty header name: amqp_table_clone refuses it
     p = props(message_id=U, type="payment.failed", headers={"": "x"})
     with open(os.path.join(HERE, "corpus", "fuzz_props_envelope", "regress-empty_header_name"),

@@ -79,6 +79,26 @@ static void test_blank_in_pg_uri_password_masked(void **state)
     expect_hidden("in URI: \"postgresql://u:top secret@[::1/db\"", "secret", true);
 }
 
+/* regress-newline_after_password_equals: libpq skips any blank around '=' */
+static void test_conninfo_blanks_around_equals(void **state)
+{
+    (void)state;
+    expect_hidden("host=db password=\n hunter22 user=x", "hunter22", false);
+    expect_hidden("host=db password\t=\thunter22 user=x", "hunter22", false);
+    expect_hidden("host=db password =\vhunter22 user=x", "hunter22", true);
+}
+
+/* regress-ampersand_in_password, regress-escaped_blank_in_password: a keyword/value password
+ * ends where libpq ends it */
+static void test_conninfo_value_as_libpq_reads_it(void **state)
+{
+    (void)state;
+    expect_hidden("host=db password=abc&hunter22 user=x", "hunter22", false);
+    expect_hidden("host=db password=abc\\ hunter22 user=x", "hunter22", false);
+    /* in a URI's query '&' does end the value */
+    expect_hidden("postgresql://db/x?password=hunter22&sslmode=require", "hunter22", false);
+}
+
 /* An invalid URL is echoed in the error: no part of its password may show, whether a blank or a
  * ',' (which splits the list) cut it. */
 static void expect_error_hides(const char *urls, const char *secret)
@@ -218,6 +238,8 @@ int main(void)
         cmocka_unit_test(test_sslpassword_masked),
         cmocka_unit_test(test_blank_in_url_password_masked),
         cmocka_unit_test(test_blank_in_pg_uri_password_masked),
+        cmocka_unit_test(test_conninfo_blanks_around_equals),
+        cmocka_unit_test(test_conninfo_value_as_libpq_reads_it),
         cmocka_unit_test(test_invalid_url_error_hides_password),
         cmocka_unit_test(test_type_with_nul_is_not_the_type_before_it),
         cmocka_unit_test(test_headers_json_nonutf8_key_freed_once),
