@@ -158,9 +158,6 @@ def regressions():
     with open(os.path.join(HERE, "corpus", "fuzz_amqp_url_mask", "regress-ampersand_in_password"),
               "wb") as f:
         f.write(bytes([3, 200]) + b"host=db password=abc&hunter22 user=x")
-    with open(os.path.join(HERE, "corpus", "fuzz_amqp_url_mask", "regress-escaped_blank_in_password"),
-              "wb") as f:
-        f.write(bytes([3, 200]) + b"host=db password=abc\\ hunter22 user=x")
     # an empty header name: amqp_table_clone refuses it
     p = props(message_id=U, type="payment.failed", headers={"": "x"})
     with open(os.path.join(HERE, "corpus", "fuzz_props_envelope", "regress-empty_header_name"),
