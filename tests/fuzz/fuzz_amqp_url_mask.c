@@ -65,8 +65,9 @@ static void no_leak(const char *what, const char *masked, const char *ideal, con
     for (size_t i = 0; i + w <= n; i++) {
         memcpy(piece, secret + i, w);
         piece[w] = '\0';
-        if (strstr(ideal, piece) != NULL)
-            continue; /* printed legitimately elsewhere */
+        if (strstr(ideal, piece) != NULL || strstr("sslpassword=***", piece) != NULL ||
+            strstr("://:***@", piece) != NULL)
+            continue; /* printed legitimately elsewhere, or what the mask writes itself */
         FZ_CHECK(strstr(masked, piece) == NULL,
                  "%s leaks '%s' of the password '%s' of '%s' as '%s'", what, piece, secret, url,
                  masked);
