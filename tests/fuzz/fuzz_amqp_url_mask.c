@@ -146,14 +146,15 @@ static bool other_blank_around_equals(const char *text)
     return false;
 }
 
-/* a URI whose userinfo (user or password) holds a blank */
+/* a URI whose userinfo (user or password) holds a blank; libpq's userinfo runs to the last '@'
+ * before a '/' */
 static bool blank_userinfo(const char *text)
 {
     const char *p = strstr(text, "://");
     if (p == NULL)
         return false;
     p += 3;
-    const char *end = p + strcspn(p, "/?#");
+    const char *end = p + strcspn(p, "/");
     const char *at = NULL;
     for (const char *q = p; q < end; q++)
         if (*q == '@')
