@@ -195,6 +195,10 @@ static void check_conninfo(const char *text)
          * (corpus/fuzz_amqp_url_mask/regress-ampersand_in_password) */
         if (fz_skip_known() && (strchr(o->val, '&') != NULL || strchr(text, '\\') != NULL))
             continue;
+        /* known: a URI query value is taken raw by libpq; the mask reads a leading quote as
+         * keyword/value quoting (corpus/fuzz_amqp_url_mask/regress-quote_in_uri_query_password) */
+        if (fz_skip_known() && o->val[0] == '\'')
+            continue;
         /* only a value written once, literally: otherwise it may be printed legitimately */
         const char *first = strstr(text, o->val);
         if (first == NULL || strstr(first + 1, o->val) != NULL)

@@ -158,6 +158,10 @@ def regressions():
     with open(os.path.join(HERE, "corpus", "fuzz_amqp_url_mask", "regress-ampersand_in_password"),
               "wb") as f:
         f.write(bytes([3, 200]) + b"host=db password=abc&hunter22 user=x")
+    # a URI query value is raw for libpq: a leading quote is no quoting
+    with open(os.path.join(HERE, "corpus", "fuzz_amqp_url_mask",
+                           "regress-quote_in_uri_query_password"), "wb") as f:
+        f.write(bytes([3, 200]) + b"postgresql://db/x?password='a'hunter22")
     # an empty header name: amqp_table_clone refuses it
     p = props(message_id=U, type="payment.failed", headers={"": "x"})
     with open(os.path.join(HERE, "corpus", "fuzz_props_envelope", "regress-empty_header_name"),

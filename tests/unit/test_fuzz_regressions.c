@@ -95,6 +95,8 @@ static void test_conninfo_value_as_libpq_reads_it(void **state)
     (void)state;
     expect_hidden("host=db password=abc&hunter22 user=x", "hunter22", false);
     expect_hidden("host=db password=abc\\ hunter22 user=x", "hunter22", false);
+    /* a URI's query value is raw: quotes are part of it */
+    expect_hidden("postgresql://db/x?password='a'hunter22", "hunter22", false);
     /* in a URI's query '&' does end the value */
     expect_hidden("postgresql://db/x?password=hunter22&sslmode=require", "hunter22", false);
 }
