@@ -162,6 +162,10 @@ def regressions():
     with open(os.path.join(HERE, "corpus", "fuzz_amqp_url_mask",
                            "regress-quote_in_uri_query_password"), "wb") as f:
         f.write(bytes([3, 200]) + b"postgresql://db/x?password='a'hunter22")
+    # an '@' in a URI's query password, after a userinfo with a password
+    with open(os.path.join(HERE, "corpus", "fuzz_amqp_url_mask",
+                           "regress-at_in_uri_query_password"), "wb") as f:
+        f.write(bytes([3, 200]) + b"postgresql://u:pw@h?password=abc@hunter22")
     # an empty header name: amqp_table_clone refuses it
     p = props(message_id=U, type="payment.failed", headers={"": "x"})
     with open(os.path.join(HERE, "corpus", "fuzz_props_envelope", "regress-empty_header_name"),
