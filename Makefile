@@ -242,3 +242,52 @@ clean:
 	rm -rf $(BUILD) build-san
 
 -include $(LIB_OBJS:.o=.d) $(HANDLER_OBJS:.o=.d) $(CLI_OBJS:.o=.d)
+
+# ---- fuzzing (libFuzzer; Debian's clang and libclang-rt-14-dev) ----------------------------------
+# `make fuzz` builds the targets of tests/fuzz/ with ASan + UBSan into build/fuzz/ and runs each
+# for FUZZ_SECONDS (default 60) from its committed corpus, tests/fuzz/corpus/TARGET/ (which also
+# holds the inputs of past crashes, regress-*: they fail the run until fixed). New inputs go to
+# build/fuzz/corpus/TARGET/, crashes to build/fuzz/artifacts/TARGET/. `make fuzz-build` only builds.
+FUZZ_CC ?= clang
+FUZZ_SECONDS ?= 60
+FUZZ_DIR = $(BUILD)/fuzz
+FUZZ_TARGETS := fuzz_envelope fuzz_billing_payload fuzz_amqp_url_mask fuzz_props_envelope
+FUZZ_SAN = -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
+FUZZ_CFLAGS = -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 $(FUZZ_SAN) \
+	-Iinclude -Isrc -Ihandlers $(PKG_CFLAGS)
+FUZZ_LIB_OBJS := $(LIB_SRCS:%.c=$(FUZZ_DIR)/%.o)
+FUZZ_HANDLER_OBJS := $(HANDLER_SRCS:%.c=$(FUZZ_DIR)/%.o)
+FUZZ_BINS := $(FUZZ_TARGETS:%=$(FUZZ_DIR)/%)
+
+.PHONY: fuzz fuzz-build
+
+$(FUZZ_DIR)/src/%.o $(FUZZ_DIR)/handlers/%.o: FUZZ_EXTRA = -fsanitize=fuzzer-no-link
+$(FUZZ_DIR)/src/%.o: src/%.c
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) $(FUZZ_EXTRA) -MMD -MP -c $< -o $@
+$(FUZZ_DIR)/handlers/%.o: handlers/%.c
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) $(FUZZ_EXTRA) -MMD -MP -c $< -o $@
+
+$(FUZZ_DIR)/libidem-fuzz.a: $(FUZZ_LIB_OBJS) $(FUZZ_HANDLER_OBJS)
+	rm -f $@ && ar rcs $@ $^
+
+# The archive: a target that includes a library source (fuzz_props_envelope) leaves its object out.
+$(FUZZ_DIR)/fuzz_%: tests/fuzz/fuzz_%.c tests/fuzz/fuzz_common.h $(FUZZ_DIR)/libidem-fuzz.a
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer -MMD -MP -o $@ $< $(FUZZ_DIR)/libidem-fuzz.a \
+		$(PKG_LIBS) -lm -lpthread
+
+fuzz-build: $(FUZZ_BINS)
+
+fuzz: fuzz-build
+	@failed=0; for t in $(FUZZ_TARGETS); do \
+		tests/fuzz/run.sh $(FUZZ_DIR)/$$t $(FUZZ_SECONDS) || failed=1; done; exit $$failed
+
+-include $(FUZZ_LIB_OBJS:.o=.d) $(FUZZ_HANDLER_OBJS:.o=.d) $(FUZZ_BINS:=.d)
+
+# Regression cases of defects found by fuzzing and the hostile corpus (tests/unit/
+# test_fuzz_regressions.c): they fail until the defects are fixed, then the file joins UNIT_TESTS.
+REGRESS_BINS := $(BUILD)/tests/unit/test_fuzz_regressions
+.PHONY: unit-regress
+unit-regress: $(REGRESS_BINS)
+	@failed=0; for t in $^; do $$t || failed=1; done; exit $$failed

@@ -9,6 +9,7 @@ pkgs=(
   librabbitmq-dev libjansson-dev libcmocka-dev libpq-dev libssl-dev
   amqp-tools python3-pika python3-psycopg2 python3-pytest openssl valgrind
   faketime pgbouncer gnuplot-nox
+  clang libclang-rt-14-dev
 )
 
 missing=()

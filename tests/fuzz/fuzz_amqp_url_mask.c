@@ -1,0 +1,247 @@
+/* fuzz_amqp_url_mask.c - libFuzzer target for idemp_amqp_url_parse (src/rmq_url.c) and the
+ * masking of secrets in log lines (src/mask.c: idemp_mask_secrets, idemp_mask_line).
+ *
+ * Input: a mode byte, an output-size byte, then the text. Mode bit 0 set: the text is used as
+ * it is (a URL or a conninfo); clear: "amqp://" is put before it.
+ *
+ * Checked beyond memory safety (every output buffer is a heap block of exactly its size):
+ * - a parsed URL's fields are NUL-terminated within their arrays, its port in 1-65535;
+ * - whenever the URL parser accepts a URL with a password, neither the password as written nor
+ *   as decoded appears in the masked text (idemp_mask_secrets, and idemp_mask_line whose input
+ *   had tabs and newlines flattened), unless it also appears in the ideal masked text (the URL
+ *   with the password replaced by "***");
+ * - whenever libpq parses the text as a conninfo with a password or sslpassword, that value
+ *   does not appear in the masked text unless it also appears elsewhere in the input. */
+#include <ctype.h>
+
+#include <libpq-fe.h>
+
+#include "fuzz_common.h"
+#include "mask.h"
+#include "rmq.h"
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+static bool terminated(const char *s, size_t n)
+{
+    return memchr(s, '\0', n) != NULL;
+}
+
+static char *mask_with(void (*fn)(const char *, char *, size_t), const char *in, size_t outsz)
+{
+    char *out = malloc(outsz);
+    fn(in, out, outsz);
+    FZ_CHECK(outsz == 0 || terminated(out, outsz), "mask output unterminated");
+    return out;
+}
+
+static void flatten(char *s)
+{
+    for (; *s; s++)
+        if (*s == '\n' || *s == '\r' || *s == '\t')
+            *s = ' ';
+}
+
+/* The URL as a perfect mask would print it: the password replaced by "***". */
+static char *ideal_url(const char *url, size_t pw_at, size_t pw_len)
+{
+    size_t n = strlen(url);
+    char *s = malloc(n + 4);
+    memcpy(s, url, pw_at);
+    memcpy(s + pw_at, "***", 3);
+    memcpy(s + pw_at + 3, url + pw_at + pw_len, n - pw_at - pw_len + 1);
+    return s;
+}
+
+/* No piece of secret (any run of 6 bytes of it, or all of it when shorter) may show in masked,
+ * unless that piece is also in ideal: the text as a perfect mask would print it. */
+static void no_leak(const char *what, const char *masked, const char *ideal, const char *secret,
+                    const char *url)
+{
+    size_t n = strlen(secret), w = n < 6 ? n : 6;
+    if (n < 3)
+        return; /* too short to tell */
+    char piece[7];
+    for (size_t i = 0; i + w <= n; i++) {
+        memcpy(piece, secret + i, w);
+        piece[w] = '\0';
+        if (strstr(ideal, piece) != NULL || strstr("sslpassword=***", piece) != NULL ||
+            strstr("://:***@", piece) != NULL || strchr(piece, '*') != NULL)
+            continue; /* printed legitimately elsewhere, or what the mask writes itself */
+        FZ_CHECK(strstr(masked, piece) == NULL,
+                 "%s leaks '%s' of the password '%s' of '%s' as '%s'", what, piece, secret, url,
+                 masked);
+    }
+}
+
+static void check_url(const char *url)
+{
+    idemp_amqp_url_t u;
+    if (idemp_amqp_url_parse(url, &u) != IDEM_OK)
+        return;
+    FZ_CHECK(terminated(u.host, sizeof u.host) && terminated(u.user, sizeof u.user) &&
+                 terminated(u.password, sizeof u.password) && terminated(u.vhost, sizeof u.vhost),
+             "unterminated field");
+    FZ_CHECK(u.port >= 1 && u.port <= 65535, "port %d", u.port);
+    FZ_CHECK(u.heartbeat_s >= -1 && u.heartbeat_s <= 65535, "heartbeat %d", u.heartbeat_s);
+
+    /* where the password is written: between the first ':' of the userinfo and its last '@' */
+    const char *p = url + (u.tls ? 8 : 7);
+    const char *end = p + strcspn(p, "/?#");
+    const char *at = NULL;
+    for (const char *q = p; q < end; q++)
+        if (*q == '@')
+            at = q;
+    if (at == NULL)
+        return;
+    /* known: a blank in the userinfo ends the mask's scan, not the parser's
+     * (corpus/fuzz_amqp_url_mask/regress-blank_in_password) */
+    for (const char *q = p; fz_skip_known() && q < at; q++)
+        if (*q == ' ' || *q == '\t' || *q == '\n' || *q == '\r' || *q == '\v' || *q == '\f')
+            return;
+    const char *colon = memchr(p, ':', (size_t)(at - p));
+    if (colon == NULL)
+        return;
+    size_t pw_at = (size_t)(colon + 1 - url), pw_len = (size_t)(at - colon - 1);
+    char *raw = fz_dup((const uint8_t *)colon + 1, pw_len, 1);
+    char *ideal = ideal_url(url, pw_at, pw_len);
+    size_t big = strlen(url) * 2 + 64;
+
+    char *m = mask_with(idemp_mask_secrets, url, big);
+    no_leak("idemp_mask_secrets", m, ideal, raw, url);
+    no_leak("idemp_mask_secrets", m, ideal, u.password, url);
+    free(m);
+
+    char *flat_ideal = strdup(ideal), *flat_raw = strdup(raw), *flat_pw = strdup(u.password);
+    flatten(flat_ideal);
+    flatten(flat_raw);
+    flatten(flat_pw);
+    /* mask_line also drops trailing blanks: judge against the ideal trimmed the same way */
+    m = mask_with(idemp_mask_line, url, big);
+    no_leak("idemp_mask_line", m, flat_ideal, flat_raw, url);
+    no_leak("idemp_mask_line", m, flat_ideal, flat_pw, url);
+    free(m);
+    free(flat_ideal);
+    free(flat_raw);
+    free(flat_pw);
+    free(ideal);
+    free(raw);
+}
+
+/* known: the mask skips only ' ' around a conninfo keyword's '=', libpq any blank ("password=\n
+ * secret" is the password "secret")
+ * (corpus/fuzz_amqp_url_mask/regress-newline_after_password_equals) */
+static bool other_blank_around_equals(const char *text)
+{
+    for (const char *k = strstr(text, "password"); k != NULL; k = strstr(k + 1, "password")) {
+        const char *q = k + 8;
+        bool other = false;
+        while (isspace((unsigned char)*q) || *q == '=') {
+            other |= isspace((unsigned char)*q) && *q != ' ';
+            q++;
+        }
+        if (other)
+            return true;
+    }
+    return false;
+}
+
+/* a URI whose userinfo (user or password) holds a blank; libpq's userinfo runs to the last '@'
+ * before a '/' */
+static bool blank_userinfo(const char *text)
+{
+    const char *p = strstr(text, "://");
+    if (p == NULL)
+        return false;
+    p += 3;
+    const char *end = p + strcspn(p, "/");
+    const char *at = NULL;
+    for (const char *q = p; q < end; q++)
+        if (*q == '@')
+            at = q;
+    for (const char *q = p; at != NULL && q < at; q++)
+        if (isspace((unsigned char)*q))
+            return true;
+    return false;
+}
+
+static void check_conninfo(const char *text)
+{
+    /* a percent-encoded URI: the value libpq decodes is not where the text shows it */
+    if (strchr(text, '%') != NULL)
+        return;
+    if (fz_skip_known() && other_blank_around_equals(text))
+        return;
+    char *errmsg = NULL;
+    PQconninfoOption *opts = PQconninfoParse(text, &errmsg);
+    PQfreemem(errmsg);
+    if (opts == NULL)
+        return;
+    size_t big = strlen(text) * 2 + 64;
+    char *m = mask_with(idemp_mask_secrets, text, big);
+    for (PQconninfoOption *o = opts; o->keyword; o++) {
+        /* known: sslpassword is not masked (corpus/fuzz_amqp_url_mask/regress-sslpassword) */
+        if (fz_skip_known() && strcmp(o->keyword, "sslpassword") == 0)
+            continue;
+        if ((strcmp(o->keyword, "password") != 0 && strcmp(o->keyword, "sslpassword") != 0) ||
+            o->val == NULL || strlen(o->val) < 4)
+            continue;
+        /* known: a blank in a URI's password ends the mask's userinfo, not libpq's
+         * (corpus/fuzz_amqp_url_mask/regress-blank_in_pg_uri_password) */
+        if (fz_skip_known() && (strpbrk(o->val, " \t\n\r\v\f") != NULL || blank_userinfo(text)))
+            continue;
+        /* known: the mask ends an unquoted value at '&' (right in a URI's query, wrong in a
+         * keyword/value string) and ignores libpq's backslash escapes
+         * (corpus/fuzz_amqp_url_mask/regress-ampersand_in_password) */
+        if (fz_skip_known() && (strchr(o->val, '&') != NULL || strchr(text, '\\') != NULL))
+            continue;
+        /* known: a URI query value is taken raw by libpq; the mask reads a leading quote as
+         * keyword/value quoting (corpus/fuzz_amqp_url_mask/regress-quote_in_uri_query_password) */
+        if (fz_skip_known() && o->val[0] == '\'')
+            continue;
+        /* known: an '@' in a URI's query password ends the mask's userinfo there
+         * (corpus/fuzz_amqp_url_mask/regress-at_in_uri_query_password) */
+        if (fz_skip_known() && strchr(o->val, '@') != NULL && strstr(text, "://") != NULL)
+            continue;
+        /* only a value written once, literally: otherwise it may be printed legitimately */
+        const char *first = strstr(text, o->val);
+        if (first == NULL || strstr(first + 1, o->val) != NULL)
+            continue;
+        /* the text as a perfect mask would print it: the value replaced by "***" */
+        size_t at = (size_t)(first - text), vl = strlen(o->val);
+        char *ideal = malloc(strlen(text) + 4);
+        memcpy(ideal, text, at);
+        memcpy(ideal + at, "***", 3);
+        strcpy(ideal + at + 3, text + at + vl);
+        no_leak(o->keyword, m, ideal, o->val, text);
+        free(ideal);
+    }
+    free(m);
+    PQconninfoFree(opts);
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    if (size < 2 || size > 4096)
+        return 0;
+    uint8_t mode = data[0];
+    size_t outsz = data[1];
+    const char *prefix = (mode & 1) ? "" : "amqp://";
+    size_t plen = strlen(prefix), n = size - 2;
+    char *text = malloc(plen + n + 1);
+    memcpy(text, prefix, plen);
+    memcpy(text + plen, data + 2, n);
+    text[plen + n] = '\0';
+
+    /* any output size, including 0 and 1, must stay within the buffer */
+    free(mask_with(idemp_mask_secrets, text, outsz));
+    free(mask_with(idemp_mask_line, text, outsz));
+
+    if (strlen(text) == plen + n) { /* the whole input, no NUL inside */
+        check_url(text);
+        if (mode & 2)
+            check_conninfo(text);
+    }
+    free(text);
+    return 0;
+}
