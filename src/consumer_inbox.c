@@ -12,6 +12,7 @@
 #include "clock.h"
 #include "consumer_int.h"
 #include "fault.h"
+#include "mask.h"
 #include "uuid.h"
 
 #define CONFIRM_TIMEOUT_MS 30000
@@ -86,8 +87,9 @@ static void validate(idem_consumer_t *c, delivery_t *d)
         d->handler = idemp_registry_find(c->reg, d->ev.event_type);
         if (d->handler == NULL) {
             d->dl_code = IDEMP_DL_UNKNOWN_TYPE;
-            snprintf(d->detail, sizeof d->detail, "no handler for event type '%.200s'",
-                     d->ev.event_type);
+            char shown[201]; /* whole characters only: x-idem-error stays UTF-8 */
+            idemp_log_escape(d->ev.event_type, shown, sizeof shown, false);
+            snprintf(d->detail, sizeof d->detail, "no handler for event type '%s'", shown);
         }
     }
     d->state = d->dl_code == IDEMP_DL_NONE ? D_READY : D_DEAD;

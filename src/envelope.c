@@ -87,6 +87,10 @@ idemp_dl_code idemp_envelope_parse(const idemp_envelope_in_t *in, int64_t max_by
         snprintf(detail, detail_sz, "event type is %zu bytes long", type.len);
         return IDEMP_DL_UNKNOWN_TYPE;
     }
+    if (type.len > 0 && memchr(type.ptr, '\0', type.len) != NULL) {
+        snprintf(detail, detail_sz, "event type holds a NUL byte");
+        return IDEMP_DL_UNKNOWN_TYPE; /* not the type before the NUL: no handler has this name */
+    }
     if (type.len > 0)
         memcpy(out->event_type, type.ptr, type.len);
     out->event_type[type.len] = '\0';

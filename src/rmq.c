@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <unistd.h>
@@ -23,6 +24,38 @@
 #define DEFAULT_HEARTBEAT_S 30
 
 /* ---- the connection object ---------------------------------------------------------------- */
+
+/* librabbitmq decodes a content header's tables and arrays recursively (about 100 bytes of stack
+ * a level) before idem sees the message: a 128 KiB frame can nest 26,000 levels. The main
+ * thread's stack grows up to RLIMIT_STACK, so a small soft limit is raised to 8 MiB where the
+ * hard limit allows; below 4 MiB a deep header could crash the process, which is said once. */
+#define STACK_WANT (8L << 20)
+#define STACK_NEED (4L << 20)
+
+static void reserve_stack(const char *component)
+{
+    static bool done;
+    if (done)
+        return;
+    done = true;
+    struct rlimit r;
+    if (getrlimit(RLIMIT_STACK, &r) != 0 || r.rlim_cur == RLIM_INFINITY ||
+        r.rlim_cur >= (rlim_t)STACK_WANT)
+        return;
+    rlim_t want = r.rlim_max == RLIM_INFINITY || r.rlim_max > (rlim_t)STACK_WANT
+                      ? (rlim_t)STACK_WANT
+                      : r.rlim_max;
+    if (want > r.rlim_cur) {
+        r.rlim_cur = want;
+        if (setrlimit(RLIMIT_STACK, &r) != 0)
+            getrlimit(RLIMIT_STACK, &r);
+    }
+    if (r.rlim_cur < (rlim_t)STACK_NEED)
+        idem_log(IDEM_LOG_WARN, component, NULL,
+                 "stack limit is %lu KiB (hard limit): a message whose headers nest deeper than "
+                 "about %lu levels would crash the process; allow 8 MiB (ulimit -s 8192)",
+                 (unsigned long)(r.rlim_cur >> 10), (unsigned long)(r.rlim_cur / 160));
+}
 
 static void set_where(idemp_amqp_t *a)
 {
@@ -71,6 +104,7 @@ idemp_amqp_t *idemp_amqp_new(const char *urls, const char *component, int heartb
     a->heartbeat_s = heartbeat_s > 65535 ? 65535 : heartbeat_s;
     idemp_backoff_init(&a->backoff, 250, 5000);
     set_where(a);
+    reserve_stack(a->component);
     return a;
 }
 

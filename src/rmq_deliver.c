@@ -30,6 +30,59 @@ static int dup_bytes(amqp_pool_t *pool, amqp_bytes_t src, amqp_bytes_t *dst)
     return AMQP_STATUS_OK;
 }
 
+static int clone_value(const amqp_field_value_t *src, amqp_field_value_t *dst, amqp_pool_t *pool);
+
+/* amqp_table_clone refuses an entry with an empty name, which AMQP allows and RabbitMQ passes
+ * on: this copy keeps every entry (the headers are read again only by name). */
+static int clone_table(const amqp_table_t *src, amqp_table_t *dst, amqp_pool_t *pool)
+{
+    dst->num_entries = src->num_entries;
+    dst->entries = NULL;
+    if (src->num_entries <= 0)
+        return AMQP_STATUS_OK;
+    dst->entries = amqp_pool_alloc(pool, (size_t)src->num_entries * sizeof *dst->entries);
+    if (dst->entries == NULL)
+        return AMQP_STATUS_NO_MEMORY;
+    for (int i = 0; i < src->num_entries; i++) {
+        int rc = dup_bytes(pool, src->entries[i].key, &dst->entries[i].key);
+        if (rc == AMQP_STATUS_OK)
+            rc = clone_value(&src->entries[i].value, &dst->entries[i].value, pool);
+        if (rc != AMQP_STATUS_OK)
+            return rc;
+    }
+    return AMQP_STATUS_OK;
+}
+
+static int clone_value(const amqp_field_value_t *src, amqp_field_value_t *dst, amqp_pool_t *pool)
+{
+    *dst = *src;
+    switch (src->kind) {
+    case AMQP_FIELD_KIND_UTF8:
+    case AMQP_FIELD_KIND_BYTES:
+        return dup_bytes(pool, src->value.bytes, &dst->value.bytes);
+    case AMQP_FIELD_KIND_TABLE:
+        return clone_table(&src->value.table, &dst->value.table, pool);
+    case AMQP_FIELD_KIND_ARRAY: {
+        const amqp_array_t *a = &src->value.array;
+        amqp_array_t *b = &dst->value.array;
+        b->entries = NULL;
+        if (a->num_entries <= 0)
+            return AMQP_STATUS_OK;
+        b->entries = amqp_pool_alloc(pool, (size_t)a->num_entries * sizeof *b->entries);
+        if (b->entries == NULL)
+            return AMQP_STATUS_NO_MEMORY;
+        for (int i = 0; i < a->num_entries; i++) {
+            int rc = clone_value(&a->entries[i], &b->entries[i], pool);
+            if (rc != AMQP_STATUS_OK)
+                return rc;
+        }
+        return AMQP_STATUS_OK;
+    }
+    default:
+        return AMQP_STATUS_OK; /* scalars live in the value itself */
+    }
+}
+
 /* Deep copy of decoded properties into pool (librabbitmq 0.11 does not export its own). */
 static int clone_props(const amqp_basic_properties_t *src, amqp_basic_properties_t *dst,
                        amqp_pool_t *pool)
@@ -51,7 +104,7 @@ static int clone_props(const amqp_basic_properties_t *src, amqp_basic_properties
     CLONE(AMQP_BASIC_CLUSTER_ID_FLAG, cluster_id);
 #undef CLONE
     if (rc == AMQP_STATUS_OK && (src->_flags & AMQP_BASIC_HEADERS_FLAG))
-        rc = amqp_table_clone(&src->headers, &dst->headers, pool);
+        rc = clone_table(&src->headers, &dst->headers, pool);
     return rc;
 }
 
@@ -194,12 +247,13 @@ char *idemp_msg_headers_json(const idemp_msg_t *m)
             char key[256];
             snprintf(key, sizeof key, "%.*s", (int)e->key.len, (const char *)e->key.bytes);
             int64_t iv;
-            if (is_string(&e->value))
-                v = json_stringn(e->value.value.bytes.bytes, e->value.value.bytes.len);
+            const amqp_bytes_t *b = &e->value.value.bytes;
+            if (is_string(&e->value) && (b->len == 0 || memchr(b->bytes, '\0', b->len) == NULL))
+                v = json_stringn(b->bytes, b->len);
             else if (header_int(p, key, &iv))
                 v = json_integer(iv); /* x-idem-seq */
             if (v == NULL)
-                continue; /* not UTF-8, or a kind JSON has no place for */
+                continue; /* not UTF-8, a NUL (jsonb has none), or a kind JSON has no place for */
             if (strlen(key) != e->key.len)
                 json_decref(v); /* a name with NUL inside */
             else

@@ -387,7 +387,7 @@ int idemp_amqp_requeue(idemp_amqp_t *out, const idemp_msg_t *m, const char *exch
     }
     entries[n].key = amqp_cstring_bytes("x-idem-requeued");
     entries[n].value.kind = AMQP_FIELD_KIND_I64;
-    entries[n].value.value.i64 = moves + 1;
+    entries[n].value.value.i64 = moves < 0 ? 1 : moves < INT64_MAX ? moves + 1 : INT64_MAX;
     n++;
     p.headers.entries = entries;
     p.headers.num_entries = n;

@@ -20,8 +20,7 @@ for t in fuzz_envelope fuzz_billing_payload fuzz_amqp_url_mask fuzz_props_envelo
   find "tests/fuzz/corpus/$t" ${extra:+"$extra/$t"} -maxdepth 1 -type f ! -name 'regress-*' \
     -exec cp -n {} "$out/replay/$t/" \; 2>/dev/null || true
   n=$(find "$out/replay/$t" -type f | wc -l)
-  # known defects are stepped around (IDEM_FUZZ_SKIP_KNOWN), so that every input is replayed
-  IDEM_FUZZ_SKIP_KNOWN=1 LLVM_PROFILE_FILE="$out/$t.profraw" "$out/$t" -runs=0 "$out/replay/$t" \
+  LLVM_PROFILE_FILE="$out/$t.profraw" "$out/$t" -runs=0 "$out/replay/$t" \
     >"$out/$t.replay.log" 2>&1 || echo "$t: an input crashed, see $out/$t.replay.log" >&2
   llvm-profdata merge -sparse "$out/$t.profraw" -o "$out/$t.profdata"
   echo "== $t ($n inputs)"

@@ -94,11 +94,6 @@ static void check_url(const char *url)
             at = q;
     if (at == NULL)
         return;
-    /* known: a blank in the userinfo ends the mask's scan, not the parser's
-     * (corpus/fuzz_amqp_url_mask/regress-blank_in_password) */
-    for (const char *q = p; fz_skip_known() && q < at; q++)
-        if (*q == ' ' || *q == '\t' || *q == '\n' || *q == '\r' || *q == '\v' || *q == '\f')
-            return;
     const char *colon = memchr(p, ':', (size_t)(at - p));
     if (colon == NULL)
         return;
@@ -128,49 +123,10 @@ static void check_url(const char *url)
     free(raw);
 }
 
-/* known: the mask skips only ' ' around a conninfo keyword's '=', libpq any blank ("password=\n
- * secret" is the password "secret")
- * (corpus/fuzz_amqp_url_mask/regress-newline_after_password_equals) */
-static bool other_blank_around_equals(const char *text)
-{
-    for (const char *k = strstr(text, "password"); k != NULL; k = strstr(k + 1, "password")) {
-        const char *q = k + 8;
-        bool other = false;
-        while (isspace((unsigned char)*q) || *q == '=') {
-            other |= isspace((unsigned char)*q) && *q != ' ';
-            q++;
-        }
-        if (other)
-            return true;
-    }
-    return false;
-}
-
-/* a URI whose userinfo (user or password) holds a blank; libpq's userinfo runs to the last '@'
- * before a '/' */
-static bool blank_userinfo(const char *text)
-{
-    const char *p = strstr(text, "://");
-    if (p == NULL)
-        return false;
-    p += 3;
-    const char *end = p + strcspn(p, "/");
-    const char *at = NULL;
-    for (const char *q = p; q < end; q++)
-        if (*q == '@')
-            at = q;
-    for (const char *q = p; at != NULL && q < at; q++)
-        if (isspace((unsigned char)*q))
-            return true;
-    return false;
-}
-
 static void check_conninfo(const char *text)
 {
     /* a percent-encoded URI: the value libpq decodes is not where the text shows it */
     if (strchr(text, '%') != NULL)
-        return;
-    if (fz_skip_known() && other_blank_around_equals(text))
         return;
     char *errmsg = NULL;
     PQconninfoOption *opts = PQconninfoParse(text, &errmsg);
@@ -180,28 +136,8 @@ static void check_conninfo(const char *text)
     size_t big = strlen(text) * 2 + 64;
     char *m = mask_with(idemp_mask_secrets, text, big);
     for (PQconninfoOption *o = opts; o->keyword; o++) {
-        /* known: sslpassword is not masked (corpus/fuzz_amqp_url_mask/regress-sslpassword) */
-        if (fz_skip_known() && strcmp(o->keyword, "sslpassword") == 0)
-            continue;
         if ((strcmp(o->keyword, "password") != 0 && strcmp(o->keyword, "sslpassword") != 0) ||
             o->val == NULL || strlen(o->val) < 4)
-            continue;
-        /* known: a blank in a URI's password ends the mask's userinfo, not libpq's
-         * (corpus/fuzz_amqp_url_mask/regress-blank_in_pg_uri_password) */
-        if (fz_skip_known() && (strpbrk(o->val, " \t\n\r\v\f") != NULL || blank_userinfo(text)))
-            continue;
-        /* known: the mask ends an unquoted value at '&' (right in a URI's query, wrong in a
-         * keyword/value string) and ignores libpq's backslash escapes
-         * (corpus/fuzz_amqp_url_mask/regress-ampersand_in_password) */
-        if (fz_skip_known() && (strchr(o->val, '&') != NULL || strchr(text, '\\') != NULL))
-            continue;
-        /* known: a URI query value is taken raw by libpq; the mask reads a leading quote as
-         * keyword/value quoting (corpus/fuzz_amqp_url_mask/regress-quote_in_uri_query_password) */
-        if (fz_skip_known() && o->val[0] == '\'')
-            continue;
-        /* known: an '@' in a URI's query password ends the mask's userinfo there
-         * (corpus/fuzz_amqp_url_mask/regress-at_in_uri_query_password) */
-        if (fz_skip_known() && strchr(o->val, '@') != NULL && strstr(text, "://") != NULL)
             continue;
         /* only a value written once, literally: otherwise it may be printed legitimately */
         const char *first = strstr(text, o->val);

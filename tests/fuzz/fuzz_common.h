@@ -60,18 +60,6 @@ static inline char *fz_dup(const uint8_t *p, size_t len, int nul)
     return s;
 }
 
-/* IDEM_FUZZ_SKIP_KNOWN=1: stay clear of the defects already reported (each call site names
- * its reproducer in corpus/), so that a long run goes on looking for new ones. */
-static inline int fz_skip_known(void)
-{
-    static int v = -1;
-    if (v < 0) {
-        const char *e = getenv("IDEM_FUZZ_SKIP_KNOWN");
-        v = e != NULL && e[0] == '1';
-    }
-    return v;
-}
-
 #define FZ_CHECK(cond, ...)                                                                        \
     do {                                                                                           \
         if (!(cond)) {                                                                             \

@@ -291,7 +291,7 @@ PROFILES = {
     # name: (isolated: a consumer of its own per case, extra argv, wrapper)
     "shared": (False, [], None),
     "isolated": (True, [], None),
-    "small_stack": (True, [], ["bash", "-c", 'ulimit -s 2048 && exec "$@"', "bash"]),
+    "small_stack": (True, [], ["bash", "-c", 'ulimit -Ss 2048 && exec "$@"', "bash"]),
     "sql": (True, ["--handler", f"{PF}=hostile.on_event"], None),
     "memory_limit": (True, [], ["prlimit", f"--as={512 * 1024 * 1024}", "--"]),
     "json_log": (True, ["--log-format", "json"], None),
@@ -648,10 +648,6 @@ def test_hostile_outbox_rows_park_alone(db, servers, queue, broker, tmp_path, re
 # ----------------------------------------------------------------------------- the operator's view
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "idem dlq list --json builds its strings with json_stringn_nocheck (src/dlq.c strn_or_null, "
-    "describe): one copy whose message_id, type or x-idem-error is not UTF-8 makes json_dumps "
-    "fail, and src/cli/cmd_dlq.c prints nothing and exits 0"))
 def test_dlq_list_json_survives_hostile_copies(stage, broker, print_logs_on_failure):
     """Hostile messages end in QUEUE.dlq, where operators look at them: `idem dlq list --json`
     must still print a JSON list naming every copy (here a good-looking one and two whose
@@ -679,9 +675,6 @@ def test_dlq_list_json_survives_hostile_copies(stage, broker, print_logs_on_fail
         stage.done_with(c)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "src/log.c builds JSON log lines with json_string(), which refuses text that is not UTF-8: "
-    "the msg field (and event_type) of the dead-letter line silently vanish"))
 def test_json_log_keeps_the_dead_letter_line(stage, broker, print_logs_on_failure):
     """With --log-format json, the warn line that says a message was dead-lettered and why must
     keep its msg (and the event_type field) whatever bytes the message's type holds."""
@@ -701,9 +694,6 @@ def test_json_log_keeps_the_dead_letter_line(stage, broker, print_logs_on_failur
         stage.done_with(c)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "dlq list reads the DLQ through read_message(): clone_props (amqp_table_clone) refuses an "
-    "empty header name and the whole listing fails with 'out of memory reading a delivery'"))
 def test_dlq_list_survives_an_empty_header_name(stage, broker):
     """A copy can reach QUEUE.dlq without idem (the broker dead-letters an expired message
     there): `idem dlq list` must still list every copy when one has a header with an empty
@@ -722,9 +712,6 @@ def test_dlq_list_survives_an_empty_header_name(stage, broker):
     assert len(json.loads(r.stdout)) == 2, r.stdout
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "idemp_amqp_requeue (src/rmq_publish.c) counts moves + 1 in int64_t: a copy carrying "
-    "x-idem-requeued = 2^63-1 overflows (undefined behaviour; UBSan reports it) and wraps negative"))
 def test_requeue_count_does_not_wrap(stage, broker):
     """x-idem-requeued is whatever the copy carries: `idem dlq requeue` must not overflow it."""
     from conftest import run_idem

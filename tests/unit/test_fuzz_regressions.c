@@ -1,7 +1,6 @@
 /* test_fuzz_regressions.c - defects found by the fuzz targets (tests/fuzz) and the hostile input
- * corpus (tests/hostile), one case each, named after the corpus file that reproduces it. They
- * fail until the defect is fixed (run with `make unit-regress`); then this file joins
- * UNIT_TESTS. */
+ * corpus (tests/hostile), one case each, named after the corpus file that reproduces it; each
+ * failed before its fix. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
