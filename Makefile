@@ -35,6 +35,7 @@ LIB_SRCS := \
 	src/fault.c \
 	src/pg.c \
 	src/pg_pipeline.c \
+	src/pg_async.c \
 	src/pg_array.c \
 	src/rmq_url.c \
 	src/rmq.c \
