@@ -1,6 +1,7 @@
 /* relay_claim.c - the relay's claim: whole subscriptions (transaction-level advisory locks), then
  * their rows by primary key with a fresh snapshot, kept only as gapless runs from each
- * subscription's first pending row. */
+ * subscription's first pending row. Each step is a pipeline sent without waiting; the loop
+ * (relay.c) hands its answer to idemp_relay_claim_step. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -148,57 +149,76 @@ static int load_rows(idem_relay_t *r, slot_t *sl, idemp_rows_t *res, idem_error_
     return IDEM_OK;
 }
 
-int idemp_relay_claim(idem_relay_t *r, slot_t *sl, size_t *claimed, idem_error_t *err)
+int idemp_relay_claim_start(idem_relay_t *r, slot_t *sl, idem_error_t *err)
 {
     char limit[16];
     snprintf(limit, sizeof limit, "%d", r->cfg.batch);
-    idemp_rows_t *cands = NULL, *res = NULL;
-    *claimed = 0;
     sl->t0 = idemp_now_ms();
-
+    sl->n = 0;
+    sl->waiting = 0;
+    sl->order = ++r->claims;
     /* BEGIN, the settings and step 1 travel together */
     int rc = idemp_pg_pipeline_begin(sl->pg, err);
     if (rc == IDEM_OK)
-        rc = idemp_pg_command(sl->pg, "BEGIN", err);
+        rc = idemp_pg_queue_command(sl->pg, "BEGIN", err);
     if (rc == IDEM_OK) {
         const char *p[] = {r->settings[0], r->settings[1]};
-        rc = idemp_pg_exec(sl->pg, SQL_SETTINGS, 2, p, NULL, err);
+        rc = idemp_pg_queue(sl->pg, SQL_SETTINGS, 2, p, false, err);
     }
     if (rc == IDEM_OK) {
         const char *p[] = {limit};
-        rc = idemp_pg_pipeline_finish(sl->pg, SQL_LOCK_CANDIDATES, 1, p, &cands, err);
+        rc = idemp_pg_queue(sl->pg, SQL_LOCK_CANDIDATES, 1, p, true, err);
     }
-    if (rc == IDEM_OK && idemp_rows_count(cands) == 0) {
-        idemp_rows_free(cands);
-        return idemp_pg_commit(sl->pg, err);
-    }
-    if (rc == IDEM_OK) {
-        idemp_pgarray_t ids;
-        idemp_pgarray_init(&ids);
-        for (int i = 0; i < idemp_rows_count(cands); i++)
-            idemp_pgarray_add(&ids, idemp_rows_get(cands, i, 0));
-        const char *p[] = {idemp_pgarray_str(&ids)};
-        rc = p[0] ? idemp_pg_exec(sl->pg, SQL_CLAIM_ROWS, 1, p, &res, err)
-                  : idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
-        idemp_pgarray_free(&ids);
-    }
-    idemp_rows_free(cands);
-    sl->t_claim = idemp_now_ms();
     if (rc == IDEM_OK)
-        rc = load_rows(r, sl, res, err);
+        rc = idemp_pg_pipeline_send(sl->pg, err);
+    sl->phase = SLOT_LOCKING; /* from here the transaction is open until commit or rollback */
+    return rc;
+}
+
+/* Step 2 for the candidates of step 1. */
+static int read_rows(slot_t *sl, idemp_rows_t *cands, idem_error_t *err)
+{
+    idemp_pgarray_t ids;
+    idemp_pgarray_init(&ids);
+    for (int i = 0; i < idemp_rows_count(cands); i++)
+        idemp_pgarray_add(&ids, idemp_rows_get(cands, i, 0));
+    const char *p[] = {idemp_pgarray_str(&ids)};
+    int rc = p[0] ? idemp_pg_pipeline_begin(sl->pg, err)
+                  : idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+    if (rc == IDEM_OK)
+        rc = idemp_pg_queue(sl->pg, SQL_CLAIM_ROWS, 1, p, true, err);
+    if (rc == IDEM_OK)
+        rc = idemp_pg_pipeline_send(sl->pg, err);
+    idemp_pgarray_free(&ids);
+    sl->phase = SLOT_READING;
+    return rc;
+}
+
+int idemp_relay_claim_step(idem_relay_t *r, slot_t *sl, idemp_rows_t **rows, size_t *claimed,
+                           idem_error_t *err)
+{
+    idemp_rows_t *res = rows[0];
+    rows[0] = NULL;
+    *claimed = 0;
+    if (sl->phase == SLOT_LOCKING) {
+        int rc = idemp_rows_count(res) > 0
+                     ? read_rows(sl, res, err)
+                     : idemp_relay_settle(r, sl, false, err); /* nothing due */
+        idemp_rows_free(res);
+        return rc;
+    }
+    sl->t_claim = idemp_now_ms();
+    int rc = load_rows(r, sl, res, err);
     if (rc != IDEM_OK) {
         idemp_rows_free(res);
         return rc; /* the caller rolls back */
     }
     sl->res = res;
-    sl->confirmed = false;
-    sl->wait_ms = 0;
-    sl->inflight = true; /* from here the transaction is open until commit or abort */
-    sl->order = ++r->claims;
     *claimed = sl->n;
     if (sl->n == 0)
-        return IDEM_OK; /* every candidate was taken meanwhile: commit the empty batch */
-    rc = idemp_relay_publish_first(r, sl, err);
+        return idemp_relay_settle(r, sl, false, err); /* every candidate was taken meanwhile */
+    sl->phase = SLOT_PUBLISHING;
+    rc = idemp_relay_publish(r, sl, err);
     sl->t_pub = idemp_now_ms();
     return rc;
 }
