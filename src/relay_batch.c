@@ -11,15 +11,13 @@
 #include "fault.h"
 #include "relay_int.h"
 
-/* Transaction-local settings (nothing leaks to other clients of a pooled server connection):
- * the relay's commits need not wait for the disk, because the event became durable at the
- * emitter's commit and a "sent" mark lost in a crash only makes the row go out again, which the
- * consumers' ledger absorbs (the crash between confirm and mark); the claim's plans do not depend
- * on its parameters, and planning it with a 200-element array costs more than running it. */
+/* The acked rows, found where the claim locked them (their ctids; nobody can move a row we hold
+ * locked), without a primary-key probe each. The commit after it need not wait for the disk (the
+ * claim's settings, relay_claim.c): the event became durable at the emitter's commit, and a "sent"
+ * mark lost in a crash only makes the row go out again, which the consumers' ledger absorbs. */
 #define SQL_MARK_SENT                                                                              \
     "UPDATE event_outbox o SET status = 'sent', sent_at = now()"                                   \
-    "  FROM unnest($1::uuid[]) AS c(id)"                                                           \
-    " WHERE o.outbox_id = c.id AND o.status = 'pending'"
+    " WHERE o.ctid = ANY($1::tid[]) AND o.status = 'pending'"
 
 /* A failed publish spends one attempt; the row waits base * 2^attempts (capped) or parks. */
 #define SQL_MARK_FAILED                                                                            \
@@ -222,7 +220,7 @@ int idemp_relay_settle(idem_relay_t *r, slot_t *sl, bool seam, idem_error_t *err
     for (size_t i = 0; i < sl->n; i++) {
         row_t *row = &sl->rows[i];
         if (row->state == R_ACKED) {
-            idemp_pgarray_add(&ids, row->outbox_id);
+            idemp_pgarray_add(&ids, row->tid);
             nsent++;
         } else if (failed_row(row)) {
             char buf[300];

@@ -11,6 +11,10 @@
 #include "clock.h"
 #include "relay_int.h"
 
+/* Transaction-local settings (nothing leaks to other clients of a pooled server connection): the
+ * relay's commits need not wait for the disk (relay_batch.c says why); the claim's plans do not
+ * depend on its parameters, and planning it with a 200-element array costs more than running it;
+ * daemons run short statements, which JIT only slows down. */
 #define SQL_SETTINGS                                                                               \
     "SELECT set_config('synchronous_commit', 'off', true),"                                        \
     " set_config('plan_cache_mode', 'force_generic_plan', true), set_config('jit', 'off', true),"  \
@@ -18,9 +22,10 @@
 
 /* Step 1: the oldest due rows whose subscription no other relay holds, skipping rows that wait
  * behind a retrying row of their subscription (so they cannot crowd out other subscriptions);
- * taking the subscription's transaction-level advisory lock is what makes a row a candidate. */
+ * taking the subscription's transaction-level advisory lock is what makes a row a candidate. It
+ * returns where each candidate is (its ctid), so that step 2 reads it without an index probe. */
 #define SQL_LOCK_CANDIDATES                                                                        \
-    "SELECT o.outbox_id FROM event_outbox o"                                                       \
+    "SELECT o.ctid FROM event_outbox o"                                                            \
     " WHERE o.status = 'pending' AND o.next_attempt_at <= now()"                                   \
     "   AND NOT EXISTS (SELECT 1 FROM event_outbox e"                                              \
     "                    WHERE e.subscription_id = o.subscription_id AND e.status = 'pending'"     \
@@ -28,26 +33,26 @@
     "   AND pg_try_advisory_xact_lock(7649, hashtext(o.subscription_id::text))"                    \
     " ORDER BY o.seq LIMIT $1"
 
-/* Step 2, with a snapshot taken after the locks are held: the candidates still pending and
- * due, minus any row behind an earlier row of its subscription that waits for a retry. Each row
- * carries the seq of the previous pending row of its subscription for the gap filter. The
- * candidates are found by primary key, one LATERAL probe each (OFFSET 0 keeps the planner from
- * turning that into a walk of the whole pending index), so the cost follows the batch, not the
- * backlog. The timestamp is the creation time in whole seconds, rounded down. */
+/* Step 2, with a snapshot taken after the locks are held: the candidates still pending and due,
+ * locked. Each row carries the seq of the previous pending row of its subscription for the gap
+ * filter, which also leaves out every row behind an earlier row that waits for a retry (that row
+ * is pending and not in the batch). The candidates are read by ctid, one LATERAL probe each
+ * (OFFSET 0 keeps the planner from turning that into a walk of the whole pending index), so the
+ * cost follows the batch, not the backlog; a candidate updated since step 1 has a new ctid, is not
+ * found and waits for a later claim (the gap filter holds back its subscription's later rows).
+ * Its ctid is returned for the marks: the row lock keeps the row where it is until we commit. The
+ * timestamp is the creation time in whole seconds, rounded down. */
 #define SQL_CLAIM_ROWS                                                                             \
     "SELECT o.outbox_id, o.event_id, o.subscription_id, o.event_type, o.payload::text,"            \
     "       o.attempts, floor(extract(epoch FROM o.created_at))::bigint, o.seq,"                   \
     "       (SELECT h.seq FROM event_outbox h"                                                     \
     "         WHERE h.subscription_id = o.subscription_id AND h.status = 'pending'"                \
-    "           AND h.seq < o.seq ORDER BY h.seq DESC LIMIT 1), o.headers::text"                   \
-    "  FROM unnest($1::uuid[]) AS c(id)"                                                           \
-    "  CROSS JOIN LATERAL (SELECT * FROM event_outbox x"                                           \
-    "                       WHERE x.outbox_id = c.id AND x.status = 'pending'"                     \
+    "           AND h.seq < o.seq ORDER BY h.seq DESC LIMIT 1), o.headers::text, o.row_tid"        \
+    "  FROM unnest($1::tid[]) AS c(t)"                                                             \
+    "  CROSS JOIN LATERAL (SELECT x.ctid AS row_tid, x.* FROM event_outbox x"                      \
+    "                       WHERE x.ctid = c.t AND x.status = 'pending'"                           \
     "                         AND x.next_attempt_at <= now()"                                      \
     "                      OFFSET 0 FOR UPDATE SKIP LOCKED) o"                                     \
-    " WHERE NOT EXISTS (SELECT 1 FROM event_outbox e"                                              \
-    "                    WHERE e.subscription_id = o.subscription_id AND e.status = 'pending'"     \
-    "                      AND e.attempts > 0 AND e.next_attempt_at > now() AND e.seq < o.seq)"    \
     " ORDER BY o.seq"
 
 /* Column numbers of SQL_CLAIM_ROWS. */
@@ -61,7 +66,8 @@ enum {
     C_CREATED,
     C_SEQ,
     C_PREV,
-    C_HDR
+    C_HDR,
+    C_TID
 };
 
 static const char *const LOGC = "relay";
@@ -127,6 +133,7 @@ static int load_rows(idem_relay_t *r, slot_t *sl, idemp_rows_t *res, idem_error_
         }
         row_t *row = &sl->rows[n++];
         snprintf(row->outbox_id, sizeof row->outbox_id, "%s", idemp_rows_get(res, i, C_OUTBOX_ID));
+        snprintf(row->tid, sizeof row->tid, "%s", idemp_rows_get(res, i, C_TID));
         snprintf(row->event_id, sizeof row->event_id, "%s", idemp_rows_get(res, i, C_EVENT_ID));
         snprintf(row->subscription_id, sizeof row->subscription_id, "%s", g[k].subscription_id);
         row->event_type = idemp_rows_get(res, i, C_TYPE);

@@ -23,6 +23,7 @@ enum rstate { R_UNSENT, R_SENT_WAIT, R_ACKED, R_NACKED, R_RETURNED, R_HELD, R_UN
 
 typedef struct row {
     char outbox_id[37], event_id[37], subscription_id[37];
+    char tid[24]; /* where the row is (its ctid), stable while our row lock holds */
     const char *event_type, *payload, *headers; /* borrowed from the claim result */
     int64_t created_s, seq;
     uint64_t tag;
