@@ -264,10 +264,10 @@ static bool idle(const idem_relay_t *r)
     return true;
 }
 
-static bool claiming(const idem_relay_t *r)
+static bool any_in(const idem_relay_t *r, enum slot_phase a, enum slot_phase b)
 {
     for (int k = 0; k < r->nslots; k++)
-        if (r->slots[k].phase == SLOT_LOCKING || r->slots[k].phase == SLOT_READING)
+        if (r->slots[k].phase == a || r->slots[k].phase == b)
             return true;
     return false;
 }
@@ -400,6 +400,8 @@ static bool pg_step(idem_relay_t *r)
         slot_t *sl = &r->slots[k];
         idem_error_t e = {0};
         if (sl->phase == SLOT_PUBLISHING && idemp_relay_settled(sl)) {
+            if (any_in(r, SLOT_LOCKING, SLOT_LOCKING))
+                continue; /* not while step 1 of a claim runs (see claim_step) */
             int rc = idemp_relay_settle(r, sl, true, &e);
             if (rc != IDEM_OK)
                 pg_failed(r, sl, rc, &e);
@@ -431,7 +433,10 @@ static slot_t *free_slot(idem_relay_t *r)
 
 /* Claims the next batch when rows are probably due and a slot is free: one claim at a time (two
  * at once would only take each other's rows), none after a failed statement's backoff, none while
- * a suspect waits to go out alone or a fresh channel is due. */
+ * a suspect waits to go out alone or a fresh channel is due. Step 1 of a claim and our own commits
+ * never overlap: a commit that lets go of a subscription while step 1 scans past its rows would
+ * let step 1 take it at a later row than its first pending one; the gap filter would then leave
+ * all of its rows out, and hold the subscription for nothing until that batch commits. */
 static bool claim_step(idem_relay_t *r)
 {
     int64_t now = idemp_now_ms();
@@ -441,7 +446,7 @@ static bool claim_step(idem_relay_t *r)
     }
     if (!r->want_claim || stopping(r) || r->fail_rc != 0 || now < r->pg_wait_until ||
         !idemp_amqp_connected(r->amqp) || r->reopen_amqp || r->suspect_waiting || r->suspect_out ||
-        claiming(r))
+        any_in(r, SLOT_LOCKING, SLOT_READING) || any_in(r, SLOT_SETTLING, SLOT_SETTLING))
         return false;
     slot_t *sl = free_slot(r);
     if (sl == NULL)
