@@ -23,15 +23,21 @@
 /* Step 1: the oldest due rows whose subscription no other relay holds, skipping rows that wait
  * behind a retrying row of their subscription (so they cannot crowd out other subscriptions);
  * taking the subscription's transaction-level advisory lock is what makes a row a candidate. It
+ * looks at the oldest $2 such rows only (SCAN_BATCHES batches): when most of them belong to
+ * batches in flight, ours or other relays', a claim costs that much and no more, instead of a
+ * walk of the whole backlog; rows further back come into view as those batches commit. It
  * returns where each candidate is (its ctid), so that step 2 reads it without an index probe. */
 #define SQL_LOCK_CANDIDATES                                                                        \
-    "SELECT o.ctid FROM event_outbox o"                                                            \
-    " WHERE o.status = 'pending' AND o.next_attempt_at <= now()"                                   \
-    "   AND NOT EXISTS (SELECT 1 FROM event_outbox e"                                              \
-    "                    WHERE e.subscription_id = o.subscription_id AND e.status = 'pending'"     \
-    "                      AND e.attempts > 0 AND e.next_attempt_at > now() AND e.seq < o.seq)"    \
-    "   AND pg_try_advisory_xact_lock(7649, hashtext(o.subscription_id::text))"                    \
-    " ORDER BY o.seq LIMIT $1"
+    "SELECT w.ctid FROM (SELECT o.ctid, o.subscription_id, o.seq FROM event_outbox o"              \
+    "                     WHERE o.status = 'pending' AND o.next_attempt_at <= now()"               \
+    "                       AND NOT EXISTS (SELECT 1 FROM event_outbox e"                          \
+    "                                        WHERE e.subscription_id = o.subscription_id"          \
+    "                                          AND e.status = 'pending' AND e.attempts > 0"        \
+    "                                          AND e.next_attempt_at > now() AND e.seq < o.seq)"   \
+    "                     ORDER BY o.seq LIMIT $2) w"                                              \
+    " WHERE pg_try_advisory_xact_lock(7649, hashtext(w.subscription_id::text))"                    \
+    " ORDER BY w.seq LIMIT $1"
+#define SCAN_BATCHES 16
 
 /* Step 2, with a snapshot taken after the locks are held: the candidates still pending and due,
  * locked. Each row carries the seq of the previous pending row of its subscription for the gap
@@ -158,8 +164,9 @@ static int load_rows(idem_relay_t *r, slot_t *sl, idemp_rows_t *res, idem_error_
 
 int idemp_relay_claim_start(idem_relay_t *r, slot_t *sl, idem_error_t *err)
 {
-    char limit[16];
+    char limit[16], scan[24];
     snprintf(limit, sizeof limit, "%d", r->cfg.batch);
+    snprintf(scan, sizeof scan, "%lld", (long long)r->cfg.batch * SCAN_BATCHES);
     sl->t0 = idemp_now_ms();
     sl->n = 0;
     sl->waiting = 0;
@@ -173,8 +180,8 @@ int idemp_relay_claim_start(idem_relay_t *r, slot_t *sl, idem_error_t *err)
         rc = idemp_pg_queue(sl->pg, SQL_SETTINGS, 2, p, false, err);
     }
     if (rc == IDEM_OK) {
-        const char *p[] = {limit};
-        rc = idemp_pg_queue(sl->pg, SQL_LOCK_CANDIDATES, 1, p, true, err);
+        const char *p[] = {limit, scan};
+        rc = idemp_pg_queue(sl->pg, SQL_LOCK_CANDIDATES, 2, p, true, err);
     }
     if (rc == IDEM_OK)
         rc = idemp_pg_pipeline_send(sl->pg, err);
