@@ -101,7 +101,8 @@ bool idemp_pg_pipeline_sent(const idemp_pg_t *pg);
  * false and IDEM_OK returned. Once it is answered (or the connection is lost) pipeline mode is
  * left, *done is true, and the outcome returned: IDEM_OK with the kept results in out[0..nout)
  * (new; the caller frees them), or the first error (IDEM_ERR_PG_QUERY with its SQLSTATE,
- * IDEM_ERR_PG_ROLLBACK, or IDEM_ERR_PG_LOST: the connection is then dropped). */
+ * IDEM_ERR_PG_ROLLBACK, or IDEM_ERR_PG_LOST: the connection is then dropped; also when no
+ * pipeline is in flight). */
 int idemp_pg_pipeline_poll(idemp_pg_t *pg, bool *done, idemp_rows_t **out, int nout,
                            idem_error_t *err);
 /* The same, waiting until it is answered. */

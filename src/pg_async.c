@@ -147,9 +147,10 @@ static void take(idemp_pg_t *pg, PGresult *res)
 int idemp_pg_pipeline_poll(idemp_pg_t *pg, bool *done, idemp_rows_t **out, int nout,
                            idem_error_t *err)
 {
-    *done = false;
-    if (!pg->sent)
-        return idem_error_set(err, IDEM_ERR_INVALID, "no pipeline sent");
+    *done = !pg->sent;
+    if (!pg->sent) /* never sent, or its connection was dropped meanwhile */
+        return idem_error_set(err, IDEM_ERR_PG_LOST, "no pipeline in flight on PostgreSQL at %s",
+                              pg->where);
     if (PQstatus(pg->conn) != CONNECTION_OK || !PQconsumeInput(pg->conn)) {
         idem_error_set(&pg->perr, IDEM_ERR_PG_LOST, "connection lost: %s",
                        PQerrorMessage(pg->conn));
