@@ -28,6 +28,7 @@
 #define GAUGE_EVERY_MS 1000
 #define STATEMENT_BACKOFF_BASE_MS 200
 #define STATEMENT_BACKOFF_MAX_MS 5000
+#define STEP1_QUIET_MS 50
 
 #define SQL_OLDEST_PENDING                                                                         \
     "SELECT extract(epoch FROM clock_timestamp() - created_at) FROM event_outbox"                  \
@@ -392,6 +393,19 @@ static void answered(idem_relay_t *r, slot_t *sl, int rc, idemp_rows_t **rows, i
         failed(r, sl, rc, e);
 }
 
+/* Step 1 of a claim was sent less than STEP1_QUIET_MS ago: our commits wait for it (see
+ * claim_step). Not longer: a step 1 that takes longer may be queued behind a lock request (a
+ * migration's LOCK TABLE) that itself waits for our batches in flight to commit; holding them
+ * back would stall everyone until the claim's lock timeout. */
+static bool step1_running(const idem_relay_t *r)
+{
+    int64_t now = idemp_now_ms();
+    for (int k = 0; k < r->nslots; k++)
+        if (r->slots[k].phase == SLOT_LOCKING && now - r->slots[k].t0 < STEP1_QUIET_MS)
+            return true;
+    return false;
+}
+
 /* Every connection's answers that have arrived, and each settled batch's marks sent. */
 static bool pg_step(idem_relay_t *r)
 {
@@ -400,8 +414,8 @@ static bool pg_step(idem_relay_t *r)
         slot_t *sl = &r->slots[k];
         idem_error_t e = {0};
         if (sl->phase == SLOT_PUBLISHING && idemp_relay_settled(sl)) {
-            if (any_in(r, SLOT_LOCKING, SLOT_LOCKING))
-                continue; /* not while step 1 of a claim runs (see claim_step) */
+            if (step1_running(r))
+                continue; /* see claim_step */
             int rc = idemp_relay_settle(r, sl, true, &e);
             if (rc != IDEM_OK)
                 pg_failed(r, sl, rc, &e);
@@ -434,9 +448,10 @@ static slot_t *free_slot(idem_relay_t *r)
 /* Claims the next batch when rows are probably due and a slot is free: one claim at a time (two
  * at once would only take each other's rows), none after a failed statement's backoff, none while
  * a suspect waits to go out alone or a fresh channel is due. Step 1 of a claim and our own commits
- * never overlap: a commit that lets go of a subscription while step 1 scans past its rows would
- * let step 1 take it at a later row than its first pending one; the gap filter would then leave
- * all of its rows out, and hold the subscription for nothing until that batch commits. */
+ * do not overlap (but see step1_running): a commit that lets go of a subscription while step 1
+ * scans past its rows would let step 1 take it at a later row than its first pending one; the gap
+ * filter would then leave all of its rows out, and hold the subscription for nothing until that
+ * batch commits. */
 static bool claim_step(idem_relay_t *r)
 {
     int64_t now = idemp_now_ms();
