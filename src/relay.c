@@ -414,8 +414,11 @@ static bool pg_step(idem_relay_t *r)
         slot_t *sl = &r->slots[k];
         idem_error_t e = {0};
         if (sl->phase == SLOT_PUBLISHING && idemp_relay_settled(sl)) {
-            if (step1_running(r))
-                continue; /* see claim_step */
+            /* one commit at a time, so that a batch passes the fault seam relay.after_publish
+             * with every earlier batch committed (the seam counts batches); not while step 1 of a
+             * claim runs (see claim_step) */
+            if (any_in(r, SLOT_SETTLING, SLOT_SETTLING) || step1_running(r))
+                continue;
             int rc = idemp_relay_settle(r, sl, true, &e);
             if (rc != IDEM_OK)
                 pg_failed(r, sl, rc, &e);
