@@ -36,6 +36,7 @@ LIB_SRCS := \
 	src/pg.c \
 	src/pg_pipeline.c \
 	src/pg_where.c \
+	src/pg_async.c \
 	src/pg_array.c \
 	src/rmq_url.c \
 	src/rmq.c \

@@ -86,8 +86,12 @@ static void close_conn(idemp_pg_t *pg)
     if (pg->conn != NULL)
         PQfinish(pg->conn);
     pg->conn = NULL;
-    pg->pipeline = pg->paused = false;
+    pg->pipeline = pg->paused = pg->sent = false;
     pg->queued = 0;
+    for (int i = 0; i < pg->nkept; i++)
+        PQclear(pg->kept[i]);
+    pg->nkept = 0;
+    pg->keep_mask = 0;
     clear_prepared(pg);
 }
 
@@ -375,6 +379,8 @@ int idemp_pg_prepared_name(idemp_pg_t *pg, const char *sql, int nparams, const c
          * then dropped (names are never reused, so nothing collides) */
         if (!PQsendPrepare(pg->conn, p->name, sql, nparams, NULL))
             return idemp_pg_send_failed(pg, sql, err);
+        if (pg->queued < IDEMP_PIPE_MAX)
+            pg->qsql[pg->queued] = sql;
         pg->queued++;
     } else {
         PGresult *res = PQprepare(pg->conn, p->name, sql, nparams, NULL);
@@ -477,6 +483,8 @@ int idemp_pg_commit(idemp_pg_t *pg, idem_error_t *err)
 
 void idemp_pg_rollback(idemp_pg_t *pg)
 {
+    if (pg->sent && pg->conn != NULL)
+        idemp_pg_pipeline_wait(pg, NULL, 0, NULL); /* its outcome does not matter now */
     if (pg->pipeline || pg->paused) {
         idemp_pg_pipeline_pause(pg);
         pg->paused = false;

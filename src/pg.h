@@ -64,7 +64,8 @@ int idemp_pg_command(idemp_pg_t *pg, const char *sql, idem_error_t *err);
  * In pipeline mode the COMMIT is queued and the pipeline ended here. IDEM_ERR_PG_LOST: the
  * outcome is unknown. */
 int idemp_pg_commit(idemp_pg_t *pg, idem_error_t *err);
-/* ROLLBACK if a transaction is open (also ends a pipeline first); errors are only logged. */
+/* ROLLBACK if a transaction is open (also ends a pipeline first, waiting for a sent one to be
+ * answered); errors are only logged. */
 void idemp_pg_rollback(idemp_pg_t *pg);
 bool idemp_pg_in_transaction(const idemp_pg_t *pg);
 
@@ -82,6 +83,30 @@ int idemp_pg_pipeline_finish(idemp_pg_t *pg, const char *sql, int nparams,
 /* Reads everything queued and leaves pipeline mode, keeping any error for pipeline_end; for
  * callers that need the plain connection in the middle of a pipeline. */
 void idemp_pg_pipeline_pause(idemp_pg_t *pg);
+
+/* Asynchronous pipelines, for a loop that drives several connections at once. After
+ * idemp_pg_pipeline_begin, statements are queued (nothing is read): idemp_pg_queue (keep: its
+ * result is handed back by idemp_pg_pipeline_poll, in queue order, at most 4),
+ * idemp_pg_queue_command (BEGIN) and idemp_pg_queue_commit (a checked COMMIT: an answer of ROLLBACK
+ * is the error IDEM_ERR_PG_ROLLBACK). idemp_pg_pipeline_send sends them with a sync and returns at
+ * once. The SQL texts must outlive the pipeline (string constants). */
+int idemp_pg_queue(idemp_pg_t *pg, const char *sql, int nparams, const char *const *params,
+                   bool keep, idem_error_t *err);
+int idemp_pg_queue_command(idemp_pg_t *pg, const char *sql, idem_error_t *err);
+int idemp_pg_queue_commit(idemp_pg_t *pg, idem_error_t *err);
+int idemp_pg_pipeline_send(idemp_pg_t *pg, idem_error_t *err);
+/* A sent pipeline is waiting for (the rest of) its results. */
+bool idemp_pg_pipeline_sent(const idemp_pg_t *pg);
+/* Reads what has arrived of the sent pipeline without blocking. While more is to come, *done is
+ * false and IDEM_OK returned. Once it is answered (or the connection is lost) pipeline mode is
+ * left, *done is true, and the outcome returned: IDEM_OK with the kept results in out[0..nout)
+ * (new; the caller frees them), or the first error (IDEM_ERR_PG_QUERY with its SQLSTATE,
+ * IDEM_ERR_PG_ROLLBACK, or IDEM_ERR_PG_LOST: the connection is then dropped; also when no
+ * pipeline is in flight). */
+int idemp_pg_pipeline_poll(idemp_pg_t *pg, bool *done, idemp_rows_t **out, int nout,
+                           idem_error_t *err);
+/* The same, waiting until it is answered. */
+int idemp_pg_pipeline_wait(idemp_pg_t *pg, idemp_rows_t **out, int nout, idem_error_t *err);
 
 /* LISTEN on channel (an identifier constant). */
 int idemp_pg_listen(idemp_pg_t *pg, const char *channel, idem_error_t *err);

@@ -9,6 +9,8 @@
 #include "pg.h"
 
 #define PREPARED_MAX 64
+#define IDEMP_PIPE_MAX 32     /* statements of an asynchronous pipeline (pg_async.c) */
+#define IDEMP_PIPE_KEPT_MAX 4 /* results it hands back */
 
 struct prepared {
     uint64_t hash;
@@ -31,6 +33,14 @@ struct idemp_pg {
     int queued;         /* results not yet read */
     idem_error_t perr;  /* first error of the pipeline */
     char last_tag[16];  /* command tag of the last statement that succeeded */
+    /* an asynchronous pipeline (pg_async.c): sent, its results read as they arrive */
+    bool sent;                           /* sent with its sync, not yet fully answered */
+    int nread;                           /* results read since it was sent */
+    const char *qsql[IDEMP_PIPE_MAX];    /* each queued statement's SQL, for messages */
+    uint32_t keep_mask;                  /* statements whose results are handed back */
+    int nkept;                           /* how many */
+    PGresult *kept[IDEMP_PIPE_KEPT_MAX]; /* those results, in order */
+    int commit_at;                       /* index of a checked COMMIT, or -1 */
     idemp_backoff_t backoff;
     int64_t next_ms;      /* next connection attempt (monotonic) */
     bool was_up;          /* connected at least once */

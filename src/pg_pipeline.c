@@ -87,6 +87,12 @@ int idemp_pg_pipeline_begin(idemp_pg_t *pg, idem_error_t *err)
     pg->paused = false;
     pg->queued = 0;
     pg->first_new = pg->nprepared;
+    pg->sent = false;
+    pg->nread = 0;
+    pg->keep_mask = 0;
+    pg->nkept = 0;
+    pg->commit_at = -1;
+    memset(pg->qsql, 0, sizeof pg->qsql);
     return IDEM_OK;
 }
 

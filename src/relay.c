@@ -1,13 +1,20 @@
-/* relay.c - the outbox relay: lifecycle, connections, the loop, the backlog gauge.
+/* relay.c - the outbox relay: lifecycle, connections, the event loop, the backlog gauge.
  *
- * One loop: claim due pending rows, publish them with confirms, mark the confirmed ones sent in
- * the claiming transaction, COMMIT (relay_batch.c). Order per subscription holds across relays
- * because a relay takes whole subscriptions (a transaction-level advisory lock per subscription)
- * before it reads their rows, and reads them with a snapshot taken after it holds the lock:
- * whatever the previous holder did is visible, and nobody else moves those rows until we commit.
- * A control connection LISTENs for new rows and reads the backlog gauge, outside the batches'
- * transactions. */
+ * Each batch: claim due pending rows, publish them with confirms, mark the confirmed ones sent in
+ * the claiming transaction, COMMIT (relay_claim.c, relay_batch.c). Order per subscription holds
+ * across relays because a relay takes whole subscriptions (a transaction-level advisory lock per
+ * subscription) before it reads their rows, and reads them with a snapshot taken after it holds
+ * the lock: whatever the previous holder did is visible, and nobody else moves those rows until
+ * we commit. A control connection LISTENs for new rows and reads the backlog gauge, outside the
+ * batches' transactions.
+ *
+ * One loop drives every batch in flight, each in its own transaction on its own connection (a
+ * slot): it reads confirms as they arrive and publishes each batch's next wave, sends a batch's
+ * marks and COMMIT as soon as it is settled, reads each connection's answers as they arrive, and
+ * claims the next batch while earlier ones wait for the broker. Nothing blocks but poll() over
+ * the sockets; statements go out as pipelines (pg_async.c). */
 #include <poll.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,6 +28,7 @@
 #define GAUGE_EVERY_MS 1000
 #define STATEMENT_BACKOFF_BASE_MS 200
 #define STATEMENT_BACKOFF_MAX_MS 5000
+#define STEP1_QUIET_MS 50
 
 #define SQL_OLDEST_PENDING                                                                         \
     "SELECT extract(epoch FROM clock_timestamp() - created_at) FROM event_outbox"                  \
@@ -42,6 +50,26 @@ void idem_relay_config_init(idem_relay_config_t *cfg)
     cfg->statement_timeout_ms = 30000;
     cfg->heartbeat_s = -1;
     cfg->metrics_addr = "127.0.0.1";
+}
+
+/* Batches in flight: IDEMP_RELAY_INFLIGHT_DEFAULT, or IDEM_RELAY_INFLIGHT (2-8); two in once
+ * mode; at most IDEMP_RELAY_INFLIGHT_ROWS rows in all, but never fewer than two batches. */
+static int inflight_slots(const idem_relay_config_t *cfg)
+{
+    long depth = IDEMP_RELAY_INFLIGHT_DEFAULT;
+    const char *env = getenv("IDEM_RELAY_INFLIGHT");
+    if (env != NULL && *env != '\0') {
+        char *end = NULL;
+        long v = strtol(env, &end, 10);
+        if (*end == '\0' && v >= 2 && v <= IDEMP_RELAY_INFLIGHT_MAX)
+            depth = v;
+    }
+    if (cfg->once)
+        depth = 2;
+    long by_rows = IDEMP_RELAY_INFLIGHT_ROWS / cfg->batch;
+    if (depth > by_rows)
+        depth = by_rows;
+    return depth < 2 ? 2 : (int)depth;
 }
 
 idem_relay_t *idem_relay_new(const idem_relay_config_t *cfg, idem_error_t *err)
@@ -66,7 +94,8 @@ idem_relay_t *idem_relay_new(const idem_relay_config_t *cfg, idem_error_t *err)
     r->exchange = strdup(cfg->exchange ? cfg->exchange : "billing.events");
     if (!r->pg_conninfo || !r->amqp_url || !r->exchange)
         goto nomem;
-    for (int i = 0; i < NSLOTS; i++) {
+    r->nslots = inflight_slots(cfg);
+    for (int i = 0; i < r->nslots; i++) {
         r->slots[i].rows = calloc((size_t)cfg->batch, sizeof(row_t));
         r->slots[i].pg = idemp_pg_new(r->pg_conninfo, LOGC);
         if (r->slots[i].rows == NULL || r->slots[i].pg == NULL)
@@ -102,7 +131,7 @@ void idem_relay_free(idem_relay_t *r)
         return;
     idemp_metrics_free(r->metrics);
     idemp_amqp_free(r->amqp);
-    for (int i = 0; i < NSLOTS; i++) {
+    for (int i = 0; i < r->nslots; i++) {
         idemp_rows_free(r->slots[i].res);
         idemp_pg_free(r->slots[i].pg);
         free(r->slots[i].rows);
@@ -124,45 +153,48 @@ static bool stopping(const idem_relay_t *r)
     return r->cfg.stop != NULL && *r->cfg.stop;
 }
 
-/* ---- connections ------------------------------------------------------------------------ */
-
-static bool pg_up(const idem_relay_t *r)
+/* Rows are probably due (a NOTIFY, the backstop poll, a batch's subscriptions let go): claim when
+ * a slot is free. A claim that finds less than a batch clears this, unless a wake came since it
+ * started. */
+static void wake(idem_relay_t *r)
 {
-    for (int i = 0; i < NSLOTS; i++)
-        if (!idemp_pg_connected(r->slots[i].pg))
-            return false;
-    return true;
+    r->wakes++;
+    r->want_claim = true;
 }
+
+/* ---- connections ------------------------------------------------------------------------ */
 
 static int once_connect_pg(idemp_pg_t *pg, idem_error_t *err)
 {
     return idemp_pg_connected(pg) ? IDEM_OK : idemp_pg_connect(pg, err);
 }
 
-/* PostgreSQL: both slots, and (as a daemon, or with metrics) the control connection. In once
- * mode one attempt, its failure returned; as a daemon with backoff. */
+/* PostgreSQL: the free slots' connections, and (as a daemon, or with metrics) the control
+ * connection. In once mode one attempt, its failure returned; as a daemon with backoff, each
+ * connection on its own (a slot whose connection is down is not used meanwhile). */
 static int ensure_pg(idem_relay_t *r, idem_error_t *err)
 {
     bool daemon = !r->cfg.once, again = false;
-    int rc = IDEM_OK;
-    for (int i = 0; i < NSLOTS && rc == IDEM_OK; i++) {
+    for (int i = 0; i < r->nslots; i++) {
+        slot_t *sl = &r->slots[i];
+        if (sl->phase != SLOT_FREE || idemp_pg_connected(sl->pg))
+            continue;
         bool a = false;
-        rc = daemon ? idemp_pg_ensure(r->slots[i].pg, &a, NULL)
-                    : once_connect_pg(r->slots[i].pg, err);
+        int rc = daemon ? idemp_pg_ensure(sl->pg, &a, NULL) : once_connect_pg(sl->pg, err);
+        if (rc != IDEM_OK && !daemon)
+            return rc;
         again = again || a;
     }
-    if (rc != IDEM_OK)
-        return rc;
     if (again)
         idemp_metrics_reconnect(r->metrics, IDEMP_SERVER_POSTGRES);
-    if (daemon || r->metrics != NULL) {
-        bool was = idemp_pg_connected(r->ctl);
-        rc = daemon ? idemp_pg_ensure(r->ctl, NULL, NULL) : once_connect_pg(r->ctl, err);
-        if (rc == IDEM_OK && !was) {
+    if ((daemon || r->metrics != NULL) && !idemp_pg_connected(r->ctl)) {
+        int rc = daemon ? idemp_pg_ensure(r->ctl, NULL, NULL) : once_connect_pg(r->ctl, err);
+        if (rc == IDEM_OK) {
             idem_error_t e = {0};
             if (daemon && idemp_pg_listen(r->ctl, "idem_outbox", &e) != IDEM_OK)
                 idemp_pg_disconnect(r->ctl, e.text);
             r->gauge_next_ms = 0;
+            wake(r); /* rows may have come while nobody listened */
         }
     }
     return IDEM_OK; /* the control connection is not needed to publish */
@@ -206,7 +238,7 @@ static int ensure_amqp(idem_relay_t *r, idem_error_t *err)
     return IDEM_OK;
 }
 
-/* ---- the backlog gauge and waiting for work ------------------------------------------------ */
+/* ---- the backlog gauge --------------------------------------------------------------------- */
 
 void idemp_relay_update_gauge(idem_relay_t *r, bool force)
 {
@@ -221,124 +253,266 @@ void idemp_relay_update_gauge(idem_relay_t *r, bool force)
     idemp_metrics_oldest_pending(
         r->metrics, idemp_rows_count(res) > 0 ? strtod(idemp_rows_get(res, 0, 0), NULL) : 0.0);
     idemp_rows_free(res);
-}
-
-/* Sleeps until a NOTIFY arrives or up to ms pass (or a stop), servicing the broker link. */
-static void wait_for_work(idem_relay_t *r, int64_t ms)
-{
-    /* a NOTIFY that arrived during our own statements is already in libpq's queue, and the
-     * socket will not signal it again */
+    /* a NOTIFY read along with the answer is in libpq's queue: the socket will not signal it */
     if (idemp_pg_take_notifies(r->ctl))
-        return;
-    int64_t end = idemp_now_ms() + ms;
-    while (!stopping(r)) {
-        int64_t left = end - idemp_now_ms();
-        if (left <= 0)
-            return;
-        struct pollfd pfd[2] = {{idemp_pg_socket(r->ctl), POLLIN, 0},
-                                {idemp_amqp_socket(r->amqp), POLLIN, 0}};
-        int n = poll(pfd, 2, (int)(left > 100 ? 100 : left));
-        if (n > 0 && (pfd[0].revents & (POLLIN | POLLHUP | POLLERR)) &&
-            idemp_pg_take_notifies(r->ctl))
-            return;
-        idem_error_t e = {0};
-        if (idemp_amqp_connected(r->amqp) && idemp_amqp_service(r->amqp, &e) != IDEM_OK) {
-            idemp_amqp_disconnect(r->amqp, e.text);
-            return;
-        }
-        idemp_relay_update_gauge(r, false);
-    }
+        wake(r);
 }
 
 /* ---- the loop ---------------------------------------------------------------------------- */
 
-static slot_t *free_slot(idem_relay_t *r)
+static bool idle(const idem_relay_t *r)
 {
-    for (int k = 0; k < NSLOTS; k++)
-        if (!r->slots[k].inflight)
-            return &r->slots[k];
-    return NULL;
+    for (int k = 0; k < r->nslots; k++)
+        if (r->slots[k].phase != SLOT_FREE)
+            return false;
+    return true;
 }
 
-static slot_t *oldest_inflight(idem_relay_t *r)
+static bool any_in(const idem_relay_t *r, enum slot_phase a, enum slot_phase b)
 {
-    slot_t *best = NULL;
-    for (int k = 0; k < NSLOTS; k++)
-        if (r->slots[k].inflight && (best == NULL || r->slots[k].order < best->order))
-            best = &r->slots[k];
-    return best;
+    for (int k = 0; k < r->nslots; k++)
+        if (r->slots[k].phase == a || r->slots[k].phase == b)
+            return true;
+    return false;
 }
 
 static bool pg_side(int rc)
 {
     return rc == IDEM_ERR_PG_LOST || rc == IDEM_ERR_PG_QUERY || rc == IDEM_ERR_PG_ROLLBACK ||
-           rc == IDEM_ERR_PG_CONNECT;
+           rc == IDEM_ERR_PG_CONNECT || rc == IDEM_ERR_NOMEM || rc == IDEM_ERR_INVALID;
 }
 
-/* A batch failed: PostgreSQL trouble rolls back (nothing spent) and backs off; broker trouble
- * keeps what was confirmed and reconnects. */
-static void on_failure(idem_relay_t *r, int rc, idem_error_t *e)
+/* In once mode the first failure ends the run (once every batch is finished). */
+static void note_failure(idem_relay_t *r, int rc, const idem_error_t *e)
 {
-    const char *kv[] = {"server", pg_side(rc) ? "postgres" : "rabbitmq", NULL};
-    if (pg_side(rc) || rc == IDEM_ERR_NOMEM) {
-        idemp_relay_abort_all(r);
-        int64_t wait = idemp_backoff_delay(STATEMENT_BACKOFF_BASE_MS, STATEMENT_BACKOFF_MAX_MS,
-                                           ++r->pg_failures);
-        r->pg_wait_until = idemp_now_ms() + wait;
-        idem_log(IDEM_LOG_WARN, LOGC, kv,
-                 "batch rolled back, nothing spent, retrying in %lld ms: %s", (long long)wait,
-                 e->text);
-        return;
+    if (r->cfg.once && r->fail_rc == 0) {
+        r->fail_rc = rc;
+        r->fail_err = *e;
     }
+}
+
+/* A statement of sl's batch failed: that transaction alone is rolled back (nothing spent; rows it
+ * had published and the broker confirmed go out again later), and claims back off. Other batches
+ * carry on. */
+static void pg_failed(idem_relay_t *r, slot_t *sl, int rc, idem_error_t *e)
+{
+    idemp_relay_abort_slot(r, sl);
+    int64_t wait =
+        idemp_backoff_delay(STATEMENT_BACKOFF_BASE_MS, STATEMENT_BACKOFF_MAX_MS, ++r->pg_failures);
+    r->pg_wait_until = idemp_now_ms() + wait;
+    const char *kv[] = {"server", "postgres", NULL};
+    idem_log(IDEM_LOG_WARN, LOGC, kv, "batch rolled back, nothing spent, retrying in %lld ms: %s",
+             (long long)wait, e->text);
+    note_failure(r, rc, e);
+}
+
+/* The broker link failed: every batch is finished with what the broker confirmed, then the link
+ * is dropped (and made again by the loop). */
+static void broker_failed(idem_relay_t *r, int rc, idem_error_t *e)
+{
     idemp_relay_salvage(r, rc, e);
+    const char *kv[] = {"server", "rabbitmq", NULL};
     idem_log(IDEM_LOG_WARN, LOGC, kv,
              "broker link failed; confirmed rows marked sent, the rest stay pending: %s", e->text);
     idemp_amqp_disconnect(r->amqp, e->text);
+    note_failure(r, rc, e);
 }
 
-/* One turn: the oldest batch is confirmed by the broker, then the next one is claimed and
- * published, then the oldest is marked and committed: the broker works on batch k+1 while
- * PostgreSQL commits batch k. *busy when there is probably more to do at once. */
-static int turn(idem_relay_t *r, bool *busy, idem_error_t *e)
+static void failed(idem_relay_t *r, slot_t *sl, int rc, idem_error_t *e)
 {
-    bool claimed_any = false;
-    int rc = IDEM_OK;
-    slot_t *cur = oldest_inflight(r);
-    if (cur == NULL) {
-        size_t claimed = 0;
-        cur = free_slot(r);
-        rc = idemp_relay_claim(r, cur, &claimed, e);
-        claimed_any = claimed > 0;
-        if (rc == IDEM_OK && !cur->inflight)
-            cur = NULL; /* nothing due */
+    if (sl != NULL && pg_side(rc))
+        pg_failed(r, sl, rc, e);
+    else
+        broker_failed(r, rc, e);
+}
+
+/* The broker's side: confirms that have arrived, each batch's next wave, the confirm timeout. */
+static bool broker_step(idem_relay_t *r)
+{
+    if (!idemp_amqp_connected(r->amqp))
+        return false;
+    idem_error_t e = {0};
+    int rc = idemp_relay_take_confirms(r, &e);
+    if (rc != IDEM_OK) {
+        broker_failed(r, rc, &e);
+        return true;
     }
-    if (rc == IDEM_OK && cur != NULL)
-        rc = idemp_relay_confirm(r, cur, e);
-    slot_t *next = rc == IDEM_OK && cur != NULL && !stopping(r) ? free_slot(r) : NULL;
-    if (next != NULL) {
-        size_t claimed = 0;
-        rc = idemp_relay_claim(r, next, &claimed, e);
-        claimed_any = claimed_any || claimed > 0;
-        if (rc != IDEM_OK && pg_side(rc) && !next->inflight) {
-            /* the next claim failed on its own connection: roll back only that one; cur's rows
-             * were confirmed by the broker and are marked sent on theirs */
-            idemp_relay_abort_slot(r, next);
-            idem_error_t ce = {0};
-            int crc = idemp_relay_commit(r, cur, &ce);
-            if (crc != IDEM_OK) {
-                *e = ce;
-                return crc;
-            }
-            *busy = true;
-            return rc;
+    r->suspect_waiting = false;
+    for (int k = 0; k < r->nslots; k++) {
+        slot_t *sl = &r->slots[k];
+        if (sl->phase != SLOT_PUBLISHING)
+            continue;
+        rc = idemp_relay_publish(r, sl, &e);
+        if (rc != IDEM_OK) {
+            failed(r, rc == IDEM_ERR_NOMEM ? sl : NULL, rc, &e);
+            return true;
         }
     }
-    if (rc == IDEM_OK && cur != NULL)
-        rc = idemp_relay_commit(r, cur, e);
-    if (rc == IDEM_OK && cur != NULL)
+    int64_t now = idemp_now_ms();
+    for (int k = 0; k < r->nslots; k++) {
+        const slot_t *sl = &r->slots[k];
+        if (sl->phase == SLOT_PUBLISHING && sl->waiting > 0 &&
+            now - sl->t_heard >= r->cfg.confirm_timeout_ms) {
+            idem_error_set(&e, IDEM_ERR_TIMEOUT,
+                           "no publisher confirm from RabbitMQ at %s within %lld ms",
+                           idemp_amqp_where(r->amqp), (long long)r->cfg.confirm_timeout_ms);
+            broker_failed(r, IDEM_ERR_TIMEOUT, &e);
+            return true;
+        }
+    }
+    return false;
+}
+
+/* A pipeline of sl was answered. */
+static void answered(idem_relay_t *r, slot_t *sl, int rc, idemp_rows_t **rows, idem_error_t *e)
+{
+    if (rc != IDEM_OK) {
+        pg_failed(r, sl, rc, e);
+        return;
+    }
+    if (sl->phase == SLOT_SETTLING) {
+        bool had_rows = sl->n > 0;
+        idemp_relay_settled_ok(r, sl, rows);
         r->pg_failures = 0;
-    *busy = claimed_any || oldest_inflight(r) != NULL;
-    return rc;
+        if (had_rows)
+            wake(r); /* its subscriptions are free again: their next rows may go */
+        return;
+    }
+    if (stopping(r)) {
+        /* claimed while asked to stop: let go of it, nothing was published */
+        idemp_rows_free(rows[0]);
+        rows[0] = NULL;
+        rc = idemp_relay_settle(r, sl, false, e);
+    } else {
+        /* step 1 found less than a batch: nothing more is due but what our own batches hold,
+         * unless something woke us since this claim started */
+        if (sl->phase == SLOT_LOCKING && idemp_rows_count(rows[0]) < r->cfg.batch &&
+            r->wakes == sl->wakes)
+            r->want_claim = false;
+        size_t claimed = 0;
+        rc = idemp_relay_claim_step(r, sl, rows, &claimed, e);
+    }
+    if (rc != IDEM_OK)
+        failed(r, sl, rc, e);
+}
+
+/* Step 1 of a claim was sent less than STEP1_QUIET_MS ago: our commits wait for it (see
+ * claim_step). Not longer: a step 1 that takes longer may be queued behind a lock request (a
+ * migration's LOCK TABLE) that itself waits for our batches in flight to commit; holding them
+ * back would stall everyone until the claim's lock timeout. */
+static bool step1_running(const idem_relay_t *r)
+{
+    int64_t now = idemp_now_ms();
+    for (int k = 0; k < r->nslots; k++)
+        if (r->slots[k].phase == SLOT_LOCKING && now - r->slots[k].t0 < STEP1_QUIET_MS)
+            return true;
+    return false;
+}
+
+/* Every connection's answers that have arrived, and each settled batch's marks sent. */
+static bool pg_step(idem_relay_t *r)
+{
+    bool progress = false;
+    for (int k = 0; k < r->nslots; k++) {
+        slot_t *sl = &r->slots[k];
+        idem_error_t e = {0};
+        if (sl->phase == SLOT_PUBLISHING && idemp_relay_settled(sl)) {
+            /* one commit at a time, so that a batch passes the fault seam relay.after_publish
+             * with every earlier batch committed (the seam counts batches); not while step 1 of a
+             * claim runs (see claim_step) */
+            if (any_in(r, SLOT_SETTLING, SLOT_SETTLING) || step1_running(r))
+                continue;
+            int rc = idemp_relay_settle(r, sl, true, &e);
+            if (rc != IDEM_OK)
+                pg_failed(r, sl, rc, &e);
+            progress = true;
+            continue;
+        }
+        if (sl->phase == SLOT_FREE || sl->phase == SLOT_PUBLISHING)
+            continue;
+        bool done = false;
+        idemp_rows_t *rows[2] = {NULL, NULL};
+        int rc = idemp_pg_pipeline_poll(sl->pg, &done, rows, 2, &e);
+        if (done) {
+            answered(r, sl, rc, rows, &e);
+            progress = true;
+        }
+        idemp_rows_free(rows[0]);
+        idemp_rows_free(rows[1]);
+    }
+    return progress;
+}
+
+static slot_t *free_slot(idem_relay_t *r)
+{
+    for (int k = 0; k < r->nslots; k++)
+        if (r->slots[k].phase == SLOT_FREE && idemp_pg_connected(r->slots[k].pg))
+            return &r->slots[k];
+    return NULL;
+}
+
+/* Claims the next batch when rows are probably due and a slot is free: one claim at a time (two
+ * at once would only take each other's rows), none after a failed statement's backoff, none while
+ * a suspect waits to go out alone or a fresh channel is due. Step 1 of a claim and our own commits
+ * do not overlap (but see step1_running): a commit that lets go of a subscription while step 1
+ * scans past its rows would let step 1 take it at a later row than its first pending one; the gap
+ * filter would then leave all of its rows out, and hold the subscription for nothing until that
+ * batch commits. */
+static bool claim_step(idem_relay_t *r)
+{
+    int64_t now = idemp_now_ms();
+    if (now >= r->next_poll_ms && !r->cfg.once) {
+        wake(r); /* the backstop poll */
+        r->next_poll_ms = now + r->cfg.poll_interval_ms;
+    }
+    if (!r->want_claim || stopping(r) || r->fail_rc != 0 || now < r->pg_wait_until ||
+        !idemp_amqp_connected(r->amqp) || r->reopen_amqp || r->suspect_waiting || r->suspect_out ||
+        any_in(r, SLOT_LOCKING, SLOT_READING) || any_in(r, SLOT_SETTLING, SLOT_SETTLING))
+        return false;
+    slot_t *sl = free_slot(r);
+    if (sl == NULL)
+        return false;
+    r->next_poll_ms = now + r->cfg.poll_interval_ms;
+    sl->wakes = r->wakes;
+    idem_error_t e = {0};
+    int rc = idemp_relay_claim_start(r, sl, &e);
+    if (rc != IDEM_OK)
+        pg_failed(r, sl, rc, &e);
+    return true;
+}
+
+/* Waits until a socket has something for us, or the next deadline. */
+static void wait_io(idem_relay_t *r)
+{
+    struct pollfd pfd[IDEMP_RELAY_INFLIGHT_MAX + 2];
+    nfds_t n = 0;
+    int ctl_at = -1;
+    int64_t now = idemp_now_ms(), wait = 100;
+    if (idemp_amqp_connected(r->amqp)) {
+        if (idemp_amqp_buffered(r->amqp))
+            return; /* frames already read: no need to wait for the socket */
+        pfd[n++] = (struct pollfd){idemp_amqp_socket(r->amqp), POLLIN, 0};
+    } else {
+        int64_t left = idemp_amqp_retry_in_ms(r->amqp);
+        wait = left < 50 ? 50 : left < wait ? left : wait;
+    }
+    for (int k = 0; k < r->nslots; k++)
+        if (r->slots[k].phase != SLOT_FREE && idemp_pg_pipeline_sent(r->slots[k].pg))
+            pfd[n++] = (struct pollfd){idemp_pg_socket(r->slots[k].pg), POLLIN, 0};
+    if (idemp_pg_connected(r->ctl)) {
+        ctl_at = (int)n;
+        pfd[n++] = (struct pollfd){idemp_pg_socket(r->ctl), POLLIN, 0};
+    }
+    if (!r->want_claim && r->next_poll_ms - now < wait)
+        wait = r->next_poll_ms - now;
+    if (r->want_claim && r->pg_wait_until > now && r->pg_wait_until - now < wait)
+        wait = r->pg_wait_until - now;
+    if (r->metrics != NULL && r->gauge_next_ms - now < wait)
+        wait = r->gauge_next_ms - now;
+    int got = poll(pfd, n, (int)(wait < 0 ? 0 : wait));
+    if (got > 0 && ctl_at >= 0 && (pfd[ctl_at].revents & (POLLIN | POLLHUP | POLLERR)) &&
+        idemp_pg_take_notifies(r->ctl))
+        wake(r);
 }
 
 int idem_relay_run(idem_relay_t *r, idem_error_t *err)
@@ -357,29 +531,23 @@ int idem_relay_run(idem_relay_t *r, idem_error_t *err)
     idem_log_level life = r->cfg.once ? IDEM_LOG_DEBUG : IDEM_LOG_INFO;
     idem_log(life, LOGC, NULL, "starting%s", r->cfg.once ? " (once)" : "");
     int result = IDEM_OK;
-    while (!stopping(r)) {
-        int rc = ensure_pg(r, err);
-        if (rc == IDEM_OK)
-            rc = ensure_amqp(r, err);
-        if (rc != IDEM_OK && (r->cfg.once || rc == IDEM_ERR_NOT_FOUND)) {
-            result = rc;
+    wake(r);
+    r->next_poll_ms = idemp_now_ms() + r->cfg.poll_interval_ms;
+    for (;;) {
+        bool free_all = idle(r);
+        /* a stop: no new claims; what is in flight is finished (confirms, marks, commit) */
+        if (free_all && (stopping(r) || r->fail_rc != 0 || (r->cfg.once && !r->want_claim)))
             break;
+        if (!stopping(r) && r->fail_rc == 0) {
+            int rc = ensure_pg(r, err);
+            if (rc == IDEM_OK && (free_all || idemp_amqp_connected(r->amqp)))
+                rc = ensure_amqp(r, err);
+            if (rc != IDEM_OK && (r->cfg.once || rc == IDEM_ERR_NOT_FOUND)) {
+                result = rc;
+                break;
+            }
         }
-        if (!pg_up(r) || !idemp_amqp_connected(r->amqp)) {
-            int64_t a = idemp_amqp_retry_in_ms(r->amqp), p = idemp_pg_retry_in_ms(r->slots[0].pg);
-            int64_t wait = a > p ? a : p;
-            idemp_sleep_ms(wait < 50 ? 50 : wait > 200 ? 200 : wait, r->cfg.stop);
-            idemp_relay_update_gauge(r, false);
-            continue;
-        }
-        int64_t hold = r->pg_wait_until - idemp_now_ms();
-        if (hold > 0) {
-            wait_for_work(r, hold); /* after a failed statement */
-            continue;
-        }
-        idemp_relay_update_gauge(r, false);
-        idemp_pg_take_notifies(r->ctl);
-        if (r->reopen_amqp && oldest_inflight(r) == NULL) {
+        if (r->reopen_amqp && free_all && idemp_amqp_connected(r->amqp)) {
             /* RabbitMQ can go on nacking a channel opened while a quorum queue elected its
              * leader: a nack gets a fresh connection before the next batch */
             r->reopen_amqp = false;
@@ -387,34 +555,20 @@ int idem_relay_run(idem_relay_t *r, idem_error_t *err)
                                   "a publish was nacked; reconnecting for a fresh channel");
             continue;
         }
-        idem_error_t e = {0};
-        bool busy = false;
-        rc = turn(r, &busy, &e);
-        if (rc != IDEM_OK) {
-            on_failure(r, rc, &e);
-            if (r->cfg.once) {
-                idem_error_set(err, rc, "%s", e.text);
-                result = rc;
-                break;
-            }
-            continue;
-        }
-        if (busy)
-            continue; /* more is probably due */
-        if (r->cfg.once)
-            break;
-        wait_for_work(r, r->cfg.poll_interval_ms);
+        bool progress = broker_step(r);
+        progress = pg_step(r) || progress;
+        progress = claim_step(r) || progress;
+        idemp_amqp_flush(r->amqp); /* this turn's publishes go out */
+        idemp_relay_update_gauge(r, false);
+        if (!progress)
+            wait_io(r);
     }
-    /* a stop between claim and settle: finish what was published (its confirms, mark, commit) */
-    slot_t *sl;
-    while ((sl = oldest_inflight(r)) != NULL) {
-        idem_error_t e = {0};
-        int rc = idemp_relay_commit(r, sl, &e);
-        if (rc != IDEM_OK) {
-            on_failure(r, rc, &e);
-            break;
-        }
+    if (result == IDEM_OK && r->fail_rc != 0) {
+        result = r->fail_rc;
+        idem_error_set(err, r->fail_rc, "%s", r->fail_err.text);
     }
+    if (result != IDEM_OK)
+        idemp_relay_salvage(r, IDEM_ERR_AMQP_LOST, err); /* a batch left in flight stays pending */
     {
         char a[24], b[24], c1[24];
         snprintf(a, sizeof a, "%llu", (unsigned long long)r->stats.published);
@@ -424,7 +578,7 @@ int idem_relay_run(idem_relay_t *r, idem_error_t *err)
         idem_log(life, LOGC, kv, "stopped");
     }
     idemp_amqp_disconnect(r->amqp, NULL);
-    for (int i = 0; i < NSLOTS; i++)
+    for (int i = 0; i < r->nslots; i++)
         idemp_pg_disconnect(r->slots[i].pg, NULL);
     idemp_pg_disconnect(r->ctl, NULL);
     return result;

@@ -1,5 +1,6 @@
-/* relay_int.h - the relay's parts: relay.c (lifecycle, connections, the loop, the backlog gauge)
- * and relay_batch.c (a batch: claim, gap filter, publish in waves, marking). Not for other
+/* relay_int.h - the relay's parts: relay.c (lifecycle, connections, the event loop, the backlog
+ * gauge), relay_claim.c (a batch's claim and the gap filter) and relay_batch.c (publishing in
+ * waves, confirms, marking and committing, and what a broken broker link leaves). Not for other
  * modules. */
 #ifndef IDEM_RELAY_INT_H
 #define IDEM_RELAY_INT_H
@@ -22,6 +23,7 @@ enum rstate { R_UNSENT, R_SENT_WAIT, R_ACKED, R_NACKED, R_RETURNED, R_HELD, R_UN
 
 typedef struct row {
     char outbox_id[37], event_id[37], subscription_id[37];
+    char tid[24]; /* where the row is (its ctid), stable while our row lock holds */
     const char *event_type, *payload, *headers; /* borrowed from the claim result */
     int64_t created_s, seq;
     uint64_t tag;
@@ -30,23 +32,40 @@ typedef struct row {
     char why[200]; /* R_POISON: the reason */
 } row_t;
 
-/* A claiming transaction with its published batch. Two slots let one batch's confirms be in
- * flight while the other is claimed or committed; their subscriptions are disjoint (advisory
- * locks), so per-subscription order is unaffected. */
+/* Where a slot's batch is. Each phase but FREE and PUBLISHING waits for one pipeline on the
+ * slot's connection; PUBLISHING waits for the broker's confirms. */
+enum slot_phase {
+    SLOT_FREE,
+    SLOT_LOCKING,    /* BEGIN, settings and step 1 of the claim sent (relay_claim.c) */
+    SLOT_READING,    /* step 2 of the claim sent */
+    SLOT_PUBLISHING, /* rows claimed, published in waves, confirms awaited */
+    SLOT_SETTLING    /* marks and COMMIT sent */
+};
+
+/* A claiming transaction on a connection of its own, with its batch. Several slots let batches
+ * wait for their confirms while the next is claimed and earlier ones commit; their subscriptions
+ * are disjoint (advisory locks held by different sessions), so per-subscription order is
+ * unaffected. */
 typedef struct slot {
     idemp_pg_t *pg;
-    row_t *rows;
+    enum slot_phase phase;
+    row_t *rows; /* batch entries */
     size_t n;
+    size_t waiting;    /* rows published and not yet confirmed */
     idemp_rows_t *res; /* owns the rows' strings while in flight */
-    uint64_t last_tag;
-    bool inflight;  /* transaction open, batch claimed; confirms may be pending */
-    bool confirmed; /* every published row of the batch is acked, nacked or returned */
-    uint64_t order; /* claim order, to settle the oldest first */
-    int64_t t0, t_claim, t_pub, t_conf;
-    int64_t wait_ms; /* time spent blocked on the broker's confirms */
+    uint64_t order;    /* claim order, to settle the oldest first after a broken link */
+    uint64_t wakes;    /* the relay's wakes when this claim started */
+    int64_t t0, t_claim, t_pub, t_settle;
+    int64_t t_heard; /* last publish or confirm of this batch: its confirm timeout runs from here */
 } slot_t;
 
-#define NSLOTS 2
+/* Batches in flight per relay: claimed, published or committing at once. More let the broker
+ * and PostgreSQL work at the same time; each holds a connection, its rows and its subscriptions'
+ * locks. IDEM_RELAY_INFLIGHT (2-8) overrides the default, an internal tunable; in once mode two
+ * are used, and never more than IDEMP_RELAY_INFLIGHT_ROWS rows in all (but at least two). */
+#define IDEMP_RELAY_INFLIGHT_DEFAULT 4
+#define IDEMP_RELAY_INFLIGHT_MAX 8
+#define IDEMP_RELAY_INFLIGHT_ROWS 4096
 #define SUSPECTS_MAX 256
 #define SUSPECTS_KEEP_MS (10 * 60 * 1000)
 
@@ -54,7 +73,8 @@ struct idem_relay {
     idem_relay_config_t cfg;
     char *pg_conninfo, *amqp_url, *exchange;
     char settings[2][24]; /* lock_timeout, statement_timeout in ms */
-    slot_t slots[NSLOTS];
+    slot_t slots[IDEMP_RELAY_INFLIGHT_MAX];
+    int nslots;
     idemp_pg_t *ctl; /* LISTENs and reads the gauge, outside the batches' transactions */
     uint64_t claims;
     idemp_amqp_t *amqp;
@@ -62,18 +82,24 @@ struct idem_relay {
     int64_t gauge_next_ms;
     int64_t pg_wait_until; /* after a failed statement: no claim before this */
     int pg_failures;
+    bool want_claim;      /* rows are probably due: claim when a slot is free */
+    uint64_t wakes;       /* NOTIFYs, polls and commits so far: each makes rows probably due */
+    int64_t next_poll_ms; /* the backstop poll: claim at this time even without a NOTIFY */
+    int fail_rc;          /* once mode: the first failure, returned by idem_relay_run */
+    idem_error_t fail_err;
     /* rows that were unconfirmed when the broker closed the channel for a message (and rows found
      * to be such a message): each goes out alone until it is confirmed (relay_batch.c) */
     char suspects[SUSPECTS_MAX][37];
     size_t nsuspects;
     int64_t suspects_until;
-    bool suspect_out; /* a suspect is published and waits for its confirm */
-    bool reopen_amqp; /* a batch was nacked: a fresh channel before the next claim */
+    bool suspect_out;     /* a suspect is published and waits for its confirm */
+    bool suspect_waiting; /* a suspect waits to go out alone: no new claims meanwhile */
+    bool reopen_amqp;     /* a batch was nacked: a fresh channel before the next claim */
     idem_relay_stats_t stats;
     volatile sig_atomic_t no_stop;
 };
 
-/* ---- relay_batch.c ---- */
+/* ---- relay_claim.c ---- */
 
 /* One claimed row as the gap filter sees it: its subscription, seq, and the seq of the pending
  * row before it in its subscription (NULL when none). */
@@ -88,24 +114,39 @@ typedef struct gap_row {
  * most max. */
 size_t idemp_relay_gap_filter(const gap_row_t *rows, size_t n, size_t max, bool *keep);
 
-/* Claims a batch into sl (BEGIN ... claim, the transaction stays open) and publishes its first
- * wave. *claimed = rows claimed. */
-int idemp_relay_claim(idem_relay_t *r, slot_t *sl, size_t *claimed, idem_error_t *err);
-/* Publishes the first wave of a batch just claimed (relay_batch.c). */
-int idemp_relay_publish_first(idem_relay_t *r, slot_t *sl, idem_error_t *err);
-/* Waits for sl's confirms, publishing the next wave each time, until the batch is settled. */
-int idemp_relay_confirm(idem_relay_t *r, slot_t *sl, idem_error_t *err);
-/* Marks sl's rows by their confirms and commits. */
-int idemp_relay_commit(idem_relay_t *r, slot_t *sl, idem_error_t *err);
-/* The link to the broker failed (rc, err): rows confirmed so far are marked sent and committed,
- * unconfirmed ones stay pending; when the broker closed the channel because of a message and one
- * row alone was unconfirmed, that row spends an attempt; when several were, they become
- * suspects. Rolls back whatever cannot be committed. */
-void idemp_relay_salvage(idem_relay_t *r, int rc, const idem_error_t *err);
-/* Rolls back sl's transaction, or every open batch: nothing is spent. */
+/* Starts a claim on the free slot sl: BEGIN with the transaction's settings and step 1 are sent
+ * (SLOT_LOCKING). */
+int idemp_relay_claim_start(idem_relay_t *r, slot_t *sl, idem_error_t *err);
+/* The claim's pipeline on sl was answered (rows: its kept results, taken over): step 1 leads to
+ * step 2 (SLOT_READING); step 2 to the batch (SLOT_PUBLISHING, its first wave out), or, with
+ * nothing to claim, to an empty commit (SLOT_SETTLING). *claimed = rows of the batch. */
+int idemp_relay_claim_step(idem_relay_t *r, slot_t *sl, idemp_rows_t **rows, size_t *claimed,
+                           idem_error_t *err);
+
+/* ---- relay_batch.c ---- */
+
+/* Publishes every row of sl that may go now: a subscription's next row once the broker has
+ * confirmed its previous one. */
+int idemp_relay_publish(idem_relay_t *r, slot_t *sl, idem_error_t *err);
+/* Reads the broker's confirms that have arrived, without blocking. */
+int idemp_relay_take_confirms(idem_relay_t *r, idem_error_t *err);
+/* True when no row of sl waits for a confirm or a wave. */
+bool idemp_relay_settled(const slot_t *sl);
+/* Sends the marks of sl's batch by its confirms and its COMMIT (SLOT_SETTLING); with seam, a batch
+ * with a confirmed row first passes the fault seam relay.after_publish. */
+int idemp_relay_settle(idem_relay_t *r, slot_t *sl, bool seam, idem_error_t *err);
+/* The settle pipeline on sl was answered: stats, metrics, the batch's log line; sl is free. */
+void idemp_relay_settled_ok(idem_relay_t *r, slot_t *sl, idemp_rows_t **rows);
+/* Frees sl (its transaction is over or rolled back). */
+void idemp_relay_slot_done(slot_t *sl);
+/* Rolls back sl's transaction (waiting for a pipeline in flight) and frees it: nothing spent. */
 void idemp_relay_abort_slot(idem_relay_t *r, slot_t *sl);
-void idemp_relay_abort_all(idem_relay_t *r);
-bool idemp_relay_isolating(idem_relay_t *r);
+/* The link to the broker failed (rc, err): every batch is finished at once. Rows confirmed so far
+ * are marked sent and committed, unconfirmed ones stay pending; when the broker closed the channel
+ * because of a message and one row alone was unconfirmed, that row spends an attempt; when
+ * several were, they become suspects. Claims in flight are rolled back. */
+void idemp_relay_salvage(idem_relay_t *r, int rc, const idem_error_t *err);
+size_t idemp_relay_unconfirmed(const idem_relay_t *r);
 
 /* relay.c */
 void idemp_relay_update_gauge(idem_relay_t *r, bool force);

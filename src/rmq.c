@@ -128,6 +128,7 @@ static void close_conn(idemp_amqp_t *a)
     }
     a->conn = NULL;
     a->connected = false;
+    a->corked = false;
     a->body_left = 0;
 }
 
@@ -272,10 +273,30 @@ int idemp_amqp_on_close(idemp_amqp_t *a, const amqp_frame_t *f, idem_error_t *er
     return idem_error_set(err, IDEM_ERR_AMQP, "%s", text);
 }
 
+void idemp_amqp_cork(idemp_amqp_t *a)
+{
+    if (a->corked || !a->connected)
+        return;
+    int one = 1;
+    a->corked = setsockopt(amqp_get_sockfd(a->conn), IPPROTO_TCP, TCP_CORK, &one, sizeof one) == 0;
+}
+
+void idemp_amqp_flush(idemp_amqp_t *a)
+{
+    if (!a->corked)
+        return;
+    a->corked = false;
+    int zero = 0;
+    if (a->conn != NULL)
+        setsockopt(amqp_get_sockfd(a->conn), IPPROTO_TCP, TCP_CORK, &zero, sizeof zero);
+}
+
 int idemp_amqp_wait_frame(idemp_amqp_t *a, amqp_frame_t *f, int64_t timeout_ms, idem_error_t *err)
 {
     if (!a->connected)
         return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s", a->where);
+    if (timeout_ms > 0)
+        idemp_amqp_flush(a); /* what we sent must be out before we wait for an answer */
     if (timeout_ms < 0)
         timeout_ms = 0;
     struct timeval tv = {timeout_ms / 1000, (timeout_ms % 1000) * 1000};

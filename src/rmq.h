@@ -175,11 +175,21 @@ int idemp_amqp_publish_fence(idemp_amqp_t *out, const char *exchange, const char
                              const char *fence_id, const char *subscription_id, int64_t timeout_ms,
                              idem_error_t *err);
 
+/* Publishes that follow idemp_amqp_cork gather in full TCP segments (TCP_CORK) instead of one
+ * small segment each, until idemp_amqp_flush sends what is left; a wait for a frame flushes
+ * first. For a loop that publishes many messages at once and then waits. */
+void idemp_amqp_cork(idemp_amqp_t *a);
+void idemp_amqp_flush(idemp_amqp_t *a);
+
 typedef enum { IDEMP_CONFIRM_ACK, IDEMP_CONFIRM_NACK, IDEMP_CONFIRM_RETURN } idemp_confirm_kind;
 /* For IDEMP_CONFIRM_RETURN, tag is 0 and message_id names the returned message (borrowed, may
  * be NULL); the broker's ack for it follows. */
 typedef void (*idemp_confirm_fn)(void *ud, idemp_confirm_kind kind, uint64_t tag, bool multiple,
                                  const char *message_id, size_t message_id_len);
+
+/* Reads the frames that have arrived (confirms, returns, a close) without blocking, calling fn
+ * for each confirm and return, and sends a heartbeat when one is due. */
+int idemp_amqp_take_confirms(idemp_amqp_t *a, idemp_confirm_fn fn, void *ud, idem_error_t *err);
 
 /* Reads confirm frames until every tag up to last_tag is acked or nacked (IDEM_OK) or timeout_ms
  * passes (IDEM_ERR_TIMEOUT; the connection stays up). */

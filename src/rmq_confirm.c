@@ -149,7 +149,7 @@ int idemp_amqp_confirm_one(idemp_amqp_t *a, uint64_t tag, int64_t timeout_ms, id
     return rc;
 }
 
-int idemp_amqp_service(idemp_amqp_t *a, idem_error_t *err)
+int idemp_amqp_take_confirms(idemp_amqp_t *a, idemp_confirm_fn fn, void *ud, idem_error_t *err)
 {
     for (;;) {
         amqp_frame_t f;
@@ -157,7 +157,7 @@ int idemp_amqp_service(idemp_amqp_t *a, idem_error_t *err)
         if (rc == IDEM_ERR_TIMEOUT)
             break;
         if (rc == IDEM_OK)
-            rc = confirm_frame(a, &f, NULL, NULL, err);
+            rc = confirm_frame(a, &f, fn, ud, err);
         if (rc != IDEM_OK)
             return rc;
     }
@@ -165,4 +165,9 @@ int idemp_amqp_service(idemp_amqp_t *a, idem_error_t *err)
         amqp_maybe_release_buffers(a->conn);
     idemp_amqp_keepalive(a);
     return IDEM_OK;
+}
+
+int idemp_amqp_service(idemp_amqp_t *a, idem_error_t *err)
+{
+    return idemp_amqp_take_confirms(a, NULL, NULL, err);
 }

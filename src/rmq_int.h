@@ -22,6 +22,7 @@ struct idemp_amqp {
     amqp_connection_state_t conn;
     bool connected;
     bool confirms;
+    bool corked;        /* TCP_CORK on: publishes gather in full segments until idemp_amqp_flush */
     int close_code;     /* reply code of the last channel/connection close by the broker */
     int64_t last_send;  /* monotonic ms of our last frame sent (for keepalive) */
     uint64_t next_tag;  /* next publish sequence number in confirm mode */

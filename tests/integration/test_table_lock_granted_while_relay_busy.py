@@ -1,0 +1,59 @@
+"""A lock on the outbox table (a migration's ALTER TABLE, an operator's LOCK TABLE) is granted
+while relays are busy, as soon as their batches in flight commit: it never waits for the relays'
+lock timeout.
+
+Once the lock is requested, a relay's next claim queues behind it (PostgreSQL grants locks in
+order), while the relay's batches in flight hold the table and must finish for the lock to be
+granted. A relay that held those batches back until the queued claim got through would stall
+everyone (the lock, the claim, the batches, and behind the lock every other client of the table)
+until the claim's lock timeout broke the circle. Here the relays run with --lock-timeout 30s
+over a backlog; a LOCK TABLE ... ACCESS EXCLUSIVE with a 10 s lock_timeout must be granted, and
+everything is then sent once.
+"""
+
+import time
+
+from conftest import wait_until
+from relay_helpers import relay_daemons, status_counts
+
+__all__ = ["relay_daemons"]
+
+TYPE = "payment.failed"
+
+
+def test_table_lock_granted_while_relays_busy(db, servers, queues, broker, relay_daemons):
+    q = queues.new()
+    with broker.channel() as ch:
+        broker.declare_exchange(ch)
+        ch.queue_declare(queue=q, durable=False)
+        ch.queue_bind(queue=q, exchange="billing.events", routing_key=TYPE)
+    n = 30_000
+    # 300 subscriptions, so that the batches in flight and the claims overlap all the time
+    db.execute("INSERT INTO event_outbox (event_id, subscription_id, event_type, payload)"
+               " SELECT gen_random_uuid(), ('00000000-0000-4000-8000-' || lpad((i %% 300)::text,"
+               " 12, '0'))::uuid, %s, jsonb_build_object('n', i)"
+               " FROM generate_series(1, %s) AS i", TYPE, n)
+    relays = [relay_daemons(["--lock-timeout", "30s", "--batch", "50"], name=f"relay{i}")
+              for i in (1, 2)]
+    wait_until(lambda: sum(r.sent() for r in relays) > 2000, 30, 0.01, "the relays publishing")
+
+    waits = []
+    for _ in range(3):
+        with db.connect(autocommit=False) as conn, conn.cursor() as cur:
+            cur.execute("SET lock_timeout = '10s'")
+            t = time.monotonic()
+            cur.execute("LOCK TABLE event_outbox IN ACCESS EXCLUSIVE MODE")
+            waits.append(time.monotonic() - t)
+            time.sleep(0.3)
+            conn.commit()
+        time.sleep(0.5)
+    assert max(waits) < 5, f"the table lock waited {max(waits):.1f} s for the relays: {waits}"
+
+    wait_until(lambda: db.count("event_outbox", "status = 'sent'") == n, 60, 0.2,
+               lambda: f"{n} rows sent (now {status_counts(db)})")
+    wait_until(lambda: broker.depth(q) >= n, 10, 0.2, "every message in the queue")
+    time.sleep(0.5)
+    assert broker.queue_info(q)[0] == n, "a row was published twice"
+    for r in relays:
+        assert r.stop() == 0
+    print(f"the table lock waited {', '.join(f'{w * 1000:.0f} ms' for w in waits)}")
