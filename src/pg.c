@@ -142,6 +142,27 @@ static void reason(PGconn *conn, char *out, size_t sz)
     out[o] = '\0';
 }
 
+/* libpq's conninfo parse errors quote a word of the string ('missing "=" after "X"', 'invalid
+ * connection option "X"'): after an unquoted password with a blank in it, that word is the rest
+ * of the password. Where the string names a password, the word is not shown. */
+static void hide_quoted_word(const char *conninfo, char *msg)
+{
+    if (strstr(conninfo, "password") == NULL)
+        return;
+    static const char *const after[] = {"after \"", "option \""};
+    for (size_t i = 0; i < sizeof after / sizeof after[0]; i++) {
+        char *w = strstr(msg, after[i]);
+        if (w == NULL)
+            continue;
+        w += strlen(after[i]);
+        char *end = strchr(w, '"');
+        if (end == NULL || end - w < 3)
+            continue;
+        memcpy(w, "***", 3);
+        memmove(w + 3, end, strlen(end) + 1);
+    }
+}
+
 /* Server notices (e.g. "relation already exists, skipping") are not errors: debug log only,
  * except idem's own (a migration that could not create a role says so). */
 static void on_notice(void *arg, const char *message)
@@ -173,6 +194,7 @@ static PGconn *open_conn(const char *conninfo, const char *where, idem_error_t *
     if (conn == NULL || PQstatus(conn) != CONNECTION_OK) {
         char why[400];
         reason(conn, why, sizeof why);
+        hide_quoted_word(conninfo, why);
         idem_error_set(err, IDEM_ERR_PG_CONNECT, "cannot connect to PostgreSQL at %s: %s", where,
                        why);
         if (conn != NULL)
