@@ -335,7 +335,9 @@ static void held_moved(idem_consumer_t *c, delivery_t *d, int was)
         d->held_warned = true;
         idemp_consumer_log(IDEM_LOG_WARN, c, d,
                            "still holding subscription %s: no consumer of partition %d has "
-                           "reached fence %s for %.0f s (is that partition consumed?)",
+                           "reached fence %s for %.0f s (is that partition consumed? if "
+                           "both partitions' windows are full of held events, restart the "
+                           "group with a larger --prefetch)",
                            d->ev.subscription_id, was, d->fence_id, (double)held / 1000.0);
     }
 }
