@@ -81,7 +81,8 @@ static bool hosts_only(const char *s, const char *e)
 }
 
 /* Where the userinfo of the URL whose authority starts at in+i ends (its '@'), or 0 if it has
- * none. As URL parsers read it: the last '@' before the first '/', '?' or '#'. An authority
+ * none. As URL parsers read it: the last '@' before the first '/', '?' or '#', else (libpq) the
+ * first '@' before the first '/'. An authority
  * without '@' that is no host[:port] list (say "user:pa") may be "user:password" whose password
  * holds an unencoded '/', '?', '#' or space (an invalid URL, so printed as given in an error):
  * then the last '@' before the next URL or the end of the text ends it. */
@@ -91,6 +92,10 @@ static size_t userinfo_end(const char *in, size_t i)
     while (auth < end && in[auth] != '/' && in[auth] != '?' && in[auth] != '#')
         auth++;
     for (size_t k = i; k < auth; k++)
+        if (in[k] == '@')
+            at = k;
+    /* none there: libpq looks for a PostgreSQL URI's '@' up to the first '/', past a '?' or '#' */
+    for (size_t k = auth; at == 0 && k < end && in[k] != '/'; k++)
         if (in[k] == '@')
             at = k;
     if (at == 0 && !hosts_only(in + i, in + auth)) {
@@ -140,8 +145,10 @@ static size_t value_end(const char *in, size_t j, bool query)
                 j++;
         return in[j] == '\'' ? j + 1 : j;
     }
+    /* libpq takes a URI's query value raw up to the next '&' ('#' included; a raw blank in a
+     * URI is refused before libpq sees it, see pg.c) */
     for (; in[j] != '\0' && !isspace((unsigned char)in[j]); j++) {
-        if (query && (in[j] == '&' || in[j] == '#'))
+        if (query && in[j] == '&')
             break;
         if (!query && in[j] == '\\' && in[j + 1] != '\0')
             j++;

@@ -180,6 +180,16 @@ int idemp_pg_result_error(PGconn *conn, PGresult *res, const char *sql, idem_err
  * peer is noticed in about a minute instead of the kernel's two hours. */
 static PGconn *open_conn(const char *conninfo, const char *where, idem_error_t *err)
 {
+    /* libpq takes raw blanks and control characters inside a URI; where a password holding one
+     * ends could not be told when a line shows the URI, so idem refuses them (percent-encode) */
+    if (strncmp(conninfo, "postgres://", 11) == 0 || strncmp(conninfo, "postgresql://", 13) == 0)
+        for (const unsigned char *b = (const unsigned char *)conninfo; *b != '\0'; b++)
+            if (*b <= 0x20 || *b == 0x7f) {
+                idem_error_set(err, IDEM_ERR_PG_CONNECT,
+                               "invalid PostgreSQL URI: a blank or control character in it must "
+                               "be percent-encoded (%%20)");
+                return NULL;
+            }
     const char *keys[] = {"connect_timeout",
                           "fallback_application_name",
                           "keepalives",

@@ -107,6 +107,12 @@ int idemp_amqp_url_parse(const char *url, idemp_amqp_url_t *u)
     u->verify_peer = true;
     if (url == NULL)
         return IDEM_ERR_INVALID;
+    /* RFC 3986 has no raw blank, control character or non-ASCII byte in a URL: such a byte
+     * must be percent-encoded, so that where a password ends is never in doubt (for the
+     * masking of log lines too) */
+    for (const unsigned char *b = (const unsigned char *)url; *b != '\0'; b++)
+        if (*b <= 0x20 || *b >= 0x7f)
+            return IDEM_ERR_INVALID;
     const char *p;
     if (strncmp(url, "amqp://", 7) == 0) {
         p = url + 7;

@@ -128,6 +128,11 @@ static void check_conninfo(const char *text)
     /* a percent-encoded URI: the value libpq decodes is not where the text shows it */
     if (strchr(text, '%') != NULL)
         return;
+    /* idem refuses a URI with a raw blank or control character before libpq sees it (pg.c) */
+    if (strncmp(text, "postgres://", 11) == 0 || strncmp(text, "postgresql://", 13) == 0)
+        for (const unsigned char *b = (const unsigned char *)text; *b != '\0'; b++)
+            if (*b <= 0x20 || *b == 0x7f)
+                return;
     char *errmsg = NULL;
     PQconninfoOption *opts = PQconninfoParse(text, &errmsg);
     PQfreemem(errmsg);

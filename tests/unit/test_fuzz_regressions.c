@@ -120,6 +120,34 @@ static void test_invalid_url_error_hides_password(void **state)
     expect_error_hides("amqp://h1,amqp://u:topsec,ret@h2", "topsec");
 }
 
+/* regress-raw_blank_in_url: an AMQP URL with a raw blank, tab or non-ASCII byte is refused (RFC
+ * 3986 has none), so no password the parser takes can end where the mask does not look */
+static void test_url_with_raw_blank_refused(void **state)
+{
+    (void)state;
+    static const char *const urls[] = {"amqp://a: sap H@h/", "amqp://u:pa\tss@h",
+                                       "amqp://u:p\xc5\x9bss@h", "amqps://\t:qser@[::1]:5671/vh",
+                                       "amqp://u:pass@h/v h"};
+    for (size_t i = 0; i < sizeof urls / sizeof urls[0]; i++) {
+        idemp_amqp_url_t u;
+        if (idemp_amqp_url_parse(urls[i], &u) == IDEM_OK)
+            fail_msg("\"%s\" accepted", urls[i]);
+    }
+}
+
+/* regress-pg_uri_userinfo_*: libpq looks for a URI's '@' up to the first '/', past '?' and '#',
+ * and takes a query value raw up to '&' ('#' included) */
+static void test_pg_uri_userinfo_as_libpq_reads_it(void **state)
+{
+    (void)state;
+    expect_hidden("postgresql://guest#app:hunter2#@db:5432/billing?sslmode=require", "hunter2",
+                  false);
+    expect_hidden("postgresql://:3?password:ph42x@h/db", "ph42x", false);
+    expect_hidden("postgresql://u:pw@h?password=abc@hunter22", "hunter22", false);
+    expect_hidden("postgresql://db/x?password=hcoH#dunins", "dunins", false);
+    expect_hidden("cannot connect: postgresql://db/x?password=hcoH#dunins", "dunins", true);
+}
+
 /* ---- the event type: tests/hostile/properties-type_with_nul.json --------------------------- */
 
 static void test_type_with_nul_is_not_the_type_before_it(void **state)
@@ -257,6 +285,8 @@ int main(void)
         cmocka_unit_test(test_conninfo_blanks_around_equals),
         cmocka_unit_test(test_conninfo_value_as_libpq_reads_it),
         cmocka_unit_test(test_invalid_url_error_hides_password),
+        cmocka_unit_test(test_url_with_raw_blank_refused),
+        cmocka_unit_test(test_pg_uri_userinfo_as_libpq_reads_it),
         cmocka_unit_test(test_type_with_nul_is_not_the_type_before_it),
         cmocka_unit_test(test_headers_json_nonutf8_key_freed_once),
         cmocka_unit_test(test_headers_json_nul_value_is_valid_jsonb),
