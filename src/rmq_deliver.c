@@ -115,8 +115,8 @@ static const amqp_field_value_t *header(const amqp_basic_properties_t *p, const 
     size_t n = strlen(name);
     for (int i = 0; i < p->headers.num_entries; i++) {
         const amqp_table_entry_t *e = &p->headers.entries[i];
-        if (e->key.len == n && memcmp(e->key.bytes, name, n) == 0)
-            return &e->value;
+        if (e->key.len == n && (n == 0 || memcmp(e->key.bytes, name, n) == 0))
+            return &e->value; /* an empty name's bytes may be NULL */
     }
     return NULL;
 }
@@ -245,7 +245,8 @@ char *idemp_msg_headers_json(const idemp_msg_t *m)
             const amqp_table_entry_t *e = &p->headers.entries[i];
             json_t *v = NULL;
             char key[256];
-            snprintf(key, sizeof key, "%.*s", (int)e->key.len, (const char *)e->key.bytes);
+            snprintf(key, sizeof key, "%.*s", (int)e->key.len,
+                     e->key.len > 0 ? (const char *)e->key.bytes : "");
             int64_t iv;
             const amqp_bytes_t *b = &e->value.value.bytes;
             if (is_string(&e->value) && (b->len == 0 || memchr(b->bytes, '\0', b->len) == NULL))
