@@ -146,6 +146,11 @@ static void test_pg_uri_userinfo_as_libpq_reads_it(void **state)
     expect_hidden("postgresql://u:pw@h?password=abc@hunter22", "hunter22", false);
     expect_hidden("postgresql://db/x?password=hcoH#dunins", "dunins", false);
     expect_hidden("cannot connect: postgresql://db/x?password=hcoH#dunins", "dunins", true);
+    /* an '@' inside a query's password value of a URI without userinfo */
+    expect_hidden("postgresql://:b/xrd=hunter2)@h2/mo?password=hunter21@h2/mo(+equi", "h2/mo(+",
+                  false);
+    expect_hidden("postgresql://db/d=x)@o://[?password=0dpsecret::p21@h2/mo(+equi", "0dpsecret",
+                  false);
 }
 
 /* ---- the event type: tests/hostile/properties-type_with_nul.json --------------------------- */
