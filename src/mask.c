@@ -212,20 +212,23 @@ void idemp_mask_secrets(const char *in, char *out, size_t outsz)
             i += 3;
             size_t at = userinfo_end(in, i);
             const char *colon = at ? memchr(in + i, ':', at - i) : NULL;
-            /* an '@' inside a query's password value (a URI without userinfo): that value is
-             * masked whole, from its keyword past the '@' */
+            /* a query's password keyword before that '@': the '@' may be inside its value (a
+             * URI without userinfo, as libpq reads one) or the keyword inside the userinfo's
+             * password; either way everything from the first of ':' and the keyword up to the
+             * end of that value is masked */
             size_t kw = 0, kwlen = 0, v;
             for (size_t k = i; colon != NULL && k < at && kwlen == 0; k++)
                 if (in[k - 1] == '?' || in[k - 1] == '&')
                     kwlen = secret_keyword(in, kw = k, &v);
-            if (kwlen != 0) {
+            if (kwlen != 0 && in + kw < colon) {
                 put_span(out, outsz, &o, in + i, kw + kwlen - i);
                 puts_n(out, outsz, &o, "=" MASK);
                 i = value_end(in, at, true);
             } else if (colon != NULL) {
                 put_span(out, outsz, &o, in + i, (size_t)(colon - (in + i)));
                 puts_n(out, outsz, &o, ":" MASK);
-                i = at; /* the '@' and the host are copied as they are */
+                /* without such a keyword, the '@' and the host are copied as they are */
+                i = kwlen != 0 ? value_end(in, at, true) : at;
             }
             continue;
         }

@@ -151,6 +151,9 @@ static void test_pg_uri_userinfo_as_libpq_reads_it(void **state)
                   false);
     expect_hidden("postgresql://db/d=x)@o://[?password=0dpsecret::p21@h2/mo(+equi", "0dpsecret",
                   false);
+    /* the keyword inside the userinfo's password: that password is '?password=hunter2h' */
+    expect_hidden("postgresql://d:?password=hunter2h@12/db", "?password=hunter2h", false);
+    expect_hidden("postgresql://d:?password=hunter2h@12/db", "hunter2h", false);
 }
 
 /* ---- the event type: tests/hostile/properties-type_with_nul.json --------------------------- */
