@@ -261,7 +261,10 @@ FUZZ_LIB_OBJS := $(LIB_SRCS:%.c=$(FUZZ_DIR)/%.o)
 FUZZ_HANDLER_OBJS := $(HANDLER_SRCS:%.c=$(FUZZ_DIR)/%.o)
 FUZZ_BINS := $(FUZZ_TARGETS:%=$(FUZZ_DIR)/%)
 
-.PHONY: fuzz fuzz-build
+.PHONY: fuzz fuzz-build fuzz-deps
+
+fuzz-deps:
+	scripts/deps.sh --fuzz
 
 $(FUZZ_DIR)/src/%.o $(FUZZ_DIR)/handlers/%.o: FUZZ_EXTRA = -fsanitize=fuzzer-no-link
 $(FUZZ_DIR)/src/%.o: src/%.c
@@ -279,7 +282,8 @@ $(FUZZ_DIR)/fuzz_%: tests/fuzz/fuzz_%.c tests/fuzz/fuzz_common.h $(FUZZ_DIR)/lib
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer -MMD -MP -o $@ $< $(FUZZ_DIR)/libidem-fuzz.a \
 		$(PKG_LIBS) -lm -lpthread
 
-fuzz-build: $(FUZZ_BINS)
+fuzz-build: fuzz-deps
+	$(MAKE) $(FUZZ_BINS)
 
 fuzz: fuzz-build
 	@failed=0; for t in $(FUZZ_TARGETS); do \

@@ -9,8 +9,11 @@ pkgs=(
   librabbitmq-dev libjansson-dev libcmocka-dev libpq-dev libssl-dev
   amqp-tools python3-pika python3-psycopg2 python3-pytest openssl valgrind
   faketime pgbouncer gnuplot-nox
-  clang libclang-rt-14-dev
 )
+# make fuzz: libFuzzer comes with Debian's clang (not needed to build or test)
+if [ "${1:-}" = "--fuzz" ]; then
+  pkgs+=(clang libclang-rt-14-dev)
+fi
 
 missing=()
 for p in "${pkgs[@]}"; do
