@@ -613,6 +613,16 @@ def latency_of(run, procs):
             "relay_transactions": rtx, "consumer_transactions": ctx}
 
 
+def latency_round(run, rate, conns, procs):
+    """emit_rate at rate for --lat-seconds on conns connections; the latency of that run, with
+    the emitter's own report under "emitter"."""
+    out = run_json([tool("emit_rate"), "--rate", str(rate), "--seconds", str(A.lat_seconds),
+                    "--run", run, "--conns", str(conns)], A.lat_seconds + 120, "emit_rate")
+    lat = latency_of(run, procs)
+    lat["emitter"] = out
+    return lat
+
+
 def phase_latency():
     if not have_idem():
         return
@@ -636,15 +646,11 @@ def phase_latency():
         log(f"idle latency p50 {lat['p50']:.2f} ms, p99 {lat['p99']:.2f} ms, max "
             f"{lat['max']:.2f} ms over {lat['events']} events (emit -> marked sent: p50 "
             f"{lat['relay_p50']:.2f} ms)")
-        # steady rate
+        # steady rates: the target's, then a higher one with more emitting connections
         for r in range(A.lat_rounds):
-            run = f"lat-{r}"
-            out = run_json([tool("emit_rate"), "--rate", str(A.lat_rate), "--seconds",
-                            str(A.lat_seconds), "--run", run, "--conns", "4"],
-                           A.lat_seconds + 120, "emit_rate")
-            lat = latency_of(run, procs)
-            lat["emitter"] = out
+            lat = latency_round(f"lat-{r}", A.lat_rate, 4, procs)
             sample("latency", lat)
+            out = lat["emitter"]
             if out["achieved_rate"] < 0.95 * A.lat_rate:
                 check(f"latency round {r + 1}: the emitter reached only {out['achieved_rate']}/s "
                       f"of {A.lat_rate:.0f}/s")
@@ -653,16 +659,10 @@ def phase_latency():
                 f"p50 {lat['relay_p50']:.2f} ms, p99 {lat['relay_p99']:.2f} ms; "
                 f"{lat['relay_transactions']} relay and {lat['consumer_transactions']} consumer "
                 "transactions)")
-        # a higher steady rate: more emitting connections, the same measurement
         for r in range(A.lat_rounds if A.lat_rate_high > 0 else 0):
-            run = f"lat-hi-{r}"
-            out = run_json([tool("emit_rate"), "--rate", str(A.lat_rate_high), "--seconds",
-                            str(A.lat_seconds), "--run", run, "--conns", "16"],
-                           A.lat_seconds + 120, "emit_rate")
-            lat = latency_of(run, procs)
-            lat["emitter"] = out
+            lat = latency_round(f"lat-hi-{r}", A.lat_rate_high, 16, procs)
             sample("latency_high", lat)
-            log(f"latency round {r + 1} at {out['achieved_rate']:.0f}/s (of "
+            log(f"latency round {r + 1} at {lat['emitter']['achieved_rate']:.0f}/s (of "
                 f"{A.lat_rate_high:.0f}/s): p50 {lat['p50']:.2f} ms, p99 {lat['p99']:.2f} ms, max "
                 f"{lat['max']:.2f} ms")
         # idle CPU

@@ -1,11 +1,9 @@
 /* consumer_inbox.c - the deliveries in hand: read from the broker into the window (validated on
  * arrival), dead-letter copies published, acks sent for what is done. A delivery leaves the
  * window only acked, or together with its channel (the broker then gives it back). */
-#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/random.h>
 
 #include <idem/log.h>
 
@@ -115,32 +113,6 @@ static int dead_letter(idem_consumer_t *c, delivery_t *d)
     return IDEM_OK;
 }
 
-/* A random (version 4) UUID in out[37]; false when the system has no randomness to give. */
-static bool random_uuid(char out[37])
-{
-    unsigned char b[16];
-    size_t got = 0;
-    while (got < sizeof b) {
-        ssize_t r = getrandom(b + got, sizeof b - got, 0);
-        if (r < 0 && errno != EINTR)
-            return false;
-        if (r > 0)
-            got += (size_t)r;
-    }
-    b[6] = (unsigned char)((b[6] & 0x0f) | 0x40);
-    b[8] = (unsigned char)((b[8] & 0x3f) | 0x80);
-    static const char hex[] = "0123456789abcdef";
-    size_t o = 0;
-    for (int i = 0; i < 16; i++) {
-        if (i == 4 || i == 6 || i == 8 || i == 10)
-            out[o++] = '-';
-        out[o++] = hex[b[i] >> 4];
-        out[o++] = hex[b[i] & 15];
-    }
-    out[o] = '\0';
-    return true;
-}
-
 /* Records fence_id as reached without a fence message: the old partition does not exist (P was
  * changed), so nothing earlier can be waiting in it. */
 static int fence_reached_here(idem_consumer_t *c, const char *fence_id, idem_error_t *err)
@@ -159,7 +131,7 @@ static int fence_reached_here(idem_consumer_t *c, const char *fence_id, idem_err
 static void publish_fence(idem_consumer_t *c, delivery_t *d)
 {
     char id[37], queue[256];
-    if (!random_uuid(id))
+    if (!idemp_uuid_random(id))
         return;
     snprintf(queue, sizeof queue, "%s.p%d", c->queue, d->moved_from);
     idem_error_t err = {0};

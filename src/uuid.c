@@ -1,6 +1,8 @@
-/* uuid.c - accepting UUIDs in every form PostgreSQL's uuid type accepts. */
+/* uuid.c - accepting UUIDs in every form PostgreSQL's uuid type accepts, and making random ones. */
 #include <ctype.h>
+#include <errno.h>
 #include <string.h>
+#include <sys/random.h>
 
 #include <idem/uuid.h>
 
@@ -45,4 +47,30 @@ bool idemp_uuid_normalize(const char *s, size_t len, char out[37])
 bool idem_uuid_normalize(const char *s, char out[37])
 {
     return s != NULL && idemp_uuid_normalize(s, strlen(s), out);
+}
+
+/* A random (version 4) UUID in out[37]; false when the system has no randomness to give. */
+bool idemp_uuid_random(char out[37])
+{
+    unsigned char b[16];
+    size_t got = 0;
+    while (got < sizeof b) {
+        ssize_t r = getrandom(b + got, sizeof b - got, 0);
+        if (r < 0 && errno != EINTR)
+            return false;
+        if (r > 0)
+            got += (size_t)r;
+    }
+    b[6] = (unsigned char)((b[6] & 0x0f) | 0x40);
+    b[8] = (unsigned char)((b[8] & 0x3f) | 0x80);
+    static const char hex[] = "0123456789abcdef";
+    size_t o = 0;
+    for (int i = 0; i < 16; i++) {
+        if (i == 4 || i == 6 || i == 8 || i == 10)
+            out[o++] = '-';
+        out[o++] = hex[b[i] >> 4];
+        out[o++] = hex[b[i] & 15];
+    }
+    out[o] = '\0';
+    return true;
 }
