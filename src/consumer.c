@@ -146,9 +146,12 @@ idem_consumer_t *idem_consumer_new(const idem_consumer_config_t *cfg, idem_error
                 goto nomem;
     }
     c->reg = idemp_registry_new();
-    c->pg = idemp_pg_new(c->pg_conninfo, LOGC);
-    if (c->reg == NULL || c->pg == NULL)
+    if (c->reg == NULL)
         goto nomem;
+    for (int i = 0; i < IDEMP_CONSUMER_CONNS; i++)
+        if ((c->pgs[i] = idemp_pg_new(c->pg_conninfo, LOGC)) == NULL)
+            goto nomem;
+    c->pg = c->pgs[0];
     c->in = idemp_amqp_new(c->amqp_url, LOGC, cfg->heartbeat_s, err);
     c->out = c->in ? idemp_amqp_new(c->amqp_url, LOGC, cfg->heartbeat_s, err) : NULL;
     if (c->out == NULL) {
@@ -190,7 +193,8 @@ void idem_consumer_free(idem_consumer_t *c)
     idemp_metrics_free(c->metrics);
     idemp_amqp_free(c->in);
     idemp_amqp_free(c->out);
-    idemp_pg_free(c->pg);
+    for (int i = 0; i < IDEMP_CONSUMER_CONNS; i++)
+        idemp_pg_free(c->pgs[i]);
     idemp_registry_free(c->reg);
     if (c->binds != NULL)
         for (char **b = c->binds; *b; b++)
@@ -291,42 +295,64 @@ static int64_t idle_wait(idem_consumer_t *c, bool can_apply, int64_t now)
     return wait < 0 ? 0 : wait > TICK_MS ? TICK_MS : wait;
 }
 
-/* One turn of the loop. */
+/* After a transaction: metrics, the debug line, dead letters and fences that it decided. */
+static void after_batch(idem_consumer_t *c, const tx_counts_t *counts, int64_t t0)
+{
+    idemp_metrics_add(c->metrics, IDEMP_M_CONSUMER_APPLIED, counts->applied);
+    idemp_metrics_add(c->metrics, IDEMP_M_CONSUMER_DUPLICATES, counts->duplicates);
+    double secs = (double)(idemp_now_ms() - t0) / 1000.0;
+    idemp_metrics_batch_duration(c->metrics, secs);
+    if (counts->applied + counts->duplicates > 0) {
+        char a[24], b[24], m[24];
+        snprintf(a, sizeof a, "%llu", (unsigned long long)counts->applied);
+        snprintf(b, sizeof b, "%llu", (unsigned long long)counts->duplicates);
+        snprintf(m, sizeof m, "%.1f", secs * 1000.0);
+        const char *kv[] = {"consumer", c->consumer, "applied", a, "duplicates", b, "ms", m, NULL};
+        idem_log(IDEM_LOG_DEBUG, LOGC, kv, "batch committed");
+    }
+    idemp_consumer_dead_letter_all(c);
+    idemp_consumer_publish_fences(c);
+}
+
+/* One turn of the loop. While a COMMIT is on its way, a batch goes only once it is full: until
+ * then, or until that COMMIT is answered, deliveries gather (the batches adapt to the load as a
+ * group commit does); acks go as soon as each COMMIT is answered. */
 static void step(idem_consumer_t *c, delivery_t **pick)
 {
     size_t max = (size_t)c->cfg.batch_max;
+    tx_counts_t counts = {0, 0};
+    int64_t t0 = idemp_now_ms();
+    size_t done = idemp_consumer_take_conn(c, &counts);
+    if (done > 0)
+        idemp_consumer_ack_done(c); /* before waiting for deliveries that wait for these acks */
     int64_t now = idemp_now_ms();
     bool can_apply = now >= c->pause_until && ensure_pg(c) && c->sql_checked;
     bool ready = can_apply && idemp_window_pick(c->win, c->nwin, now, pick, max) > 0;
-    if (!idemp_consumer_read(c, ready ? 0 : idle_wait(c, can_apply, now)))
+    bool busy = idemp_consumer_busy(c);
+    /* with a COMMIT on its way, only what has already arrived is read */
+    if (!idemp_consumer_read(c, ready || busy ? 0 : idle_wait(c, can_apply, now), !busy))
         return;
     /* the dead-letter connection is idle most of the time: answer its heartbeats */
     idem_error_t e = {0};
     if (idemp_amqp_service(c->out, &e) != IDEM_OK)
         idemp_amqp_disconnect(c->out, e.text);
     idemp_consumer_dead_letter_all(c);
-    idemp_consumer_publish_fences(c); /* those that could not go last turn */
+    idemp_consumer_publish_fences(c);                  /* those that could not go last turn */
+    done += idemp_consumer_collect(c, false, &counts); /* what committed meanwhile */
+    busy = idemp_consumer_busy(c);
     now = idemp_now_ms();
     size_t n = can_apply ? idemp_window_pick(c->win, c->nwin, now, pick, max) : 0;
-    if (n > 0) {
-        tx_counts_t counts = {0, 0};
+    if (n > 0 && (n == max || !busy)) {
         idemp_consumer_apply(c, pick, n, &counts);
-        idemp_metrics_add(c->metrics, IDEMP_M_CONSUMER_APPLIED, counts.applied);
-        idemp_metrics_add(c->metrics, IDEMP_M_CONSUMER_DUPLICATES, counts.duplicates);
-        double secs = (double)(idemp_now_ms() - now) / 1000.0;
-        idemp_metrics_batch_duration(c->metrics, secs);
-        if (counts.applied + counts.duplicates > 0) {
-            char a[24], b[24], m[24];
-            snprintf(a, sizeof a, "%llu", (unsigned long long)counts.applied);
-            snprintf(b, sizeof b, "%llu", (unsigned long long)counts.duplicates);
-            snprintf(m, sizeof m, "%.1f", secs * 1000.0);
-            const char *kv[] = {"consumer", c->consumer, "applied", a,   "duplicates",
-                                b,          "ms",        m,         NULL};
-            idem_log(IDEM_LOG_DEBUG, LOGC, kv, "batch committed");
-        }
-        idemp_consumer_dead_letter_all(c);
-        idemp_consumer_publish_fences(c);
+    } else if (busy) {
+        /* a batch that is not full waits while a COMMIT is on its way: until deliveries come or
+         * that COMMIT is answered */
+        idemp_consumer_wait(c, TICK_MS);
+        done += idemp_consumer_collect(c, false, &counts);
+        n = 0;
     }
+    if (n > 0 || done > 0)
+        after_batch(c, &counts, t0);
     idemp_consumer_ack_done(c);
 }
 
@@ -386,6 +412,14 @@ int idem_consumer_run(idem_consumer_t *c, idem_error_t *err)
         step(c, pick);
     }
     free(pick);
+    tx_counts_t counts = {0, 0};
+    size_t settled = 0;
+    while (idemp_consumer_busy(c)) /* what committed is acked before leaving */
+        settled += idemp_consumer_collect(c, true, &counts);
+    if (settled > 0) {
+        after_batch(c, &counts, idemp_now_ms());
+        idemp_consumer_ack_done(c);
+    }
     {
         const char *kv[] = {"consumer", c->consumer, "queue", c->queue, NULL};
         idem_log(IDEM_LOG_INFO, LOGC, kv, "stopped");
@@ -393,6 +427,7 @@ int idem_consumer_run(idem_consumer_t *c, idem_error_t *err)
     idemp_consumer_drop_window(c); /* unacked: the broker gives them to the next consumer */
     idemp_amqp_disconnect(c->in, NULL);
     idemp_amqp_disconnect(c->out, NULL);
-    idemp_pg_disconnect(c->pg, NULL);
+    for (int i = 0; i < IDEMP_CONSUMER_CONNS; i++)
+        idemp_pg_disconnect(c->pgs[i], NULL);
     return result;
 }

@@ -28,6 +28,7 @@ static void delivery_free(delivery_t *d)
 /* Forgets every delivery in hand; only together with their channel (the broker requeues them). */
 void idemp_consumer_drop_window(idem_consumer_t *c)
 {
+    idemp_consumer_forget_inflight(c); /* it points into the window */
     for (size_t i = 0; i < c->nwin; i++)
         delivery_free(c->win[i]);
     c->nwin = 0;
@@ -243,7 +244,7 @@ static bool window_add(idem_consumer_t *c, delivery_t *d)
 
 /* Reads new deliveries into the window: waits up to first_wait_ms for the first, then lingers
  * for batch-mates. Returns false when the channel was lost (the window is then empty). */
-bool idemp_consumer_read(idem_consumer_t *c, int64_t first_wait_ms)
+bool idemp_consumer_read(idem_consumer_t *c, int64_t first_wait_ms, bool linger)
 {
     int64_t budget = 4 * c->cfg.max_message_bytes;
     if (budget < WINDOW_BYTES_MIN)
@@ -263,7 +264,7 @@ bool idemp_consumer_read(idem_consumer_t *c, int64_t first_wait_ms)
             timeout = first_deadline - now;
         } else {
             if (linger_deadline < 0)
-                linger_deadline = now + c->cfg.linger_ms;
+                linger_deadline = now + (linger ? c->cfg.linger_ms : 0);
             timeout = idemp_amqp_buffered(c->in) ? 0 : linger_deadline - now;
         }
         idemp_msg_t *m = NULL;

@@ -18,12 +18,18 @@
 #include "registry.h"
 #include "rmq.h"
 
+/* PostgreSQL connections of a consumer: batches whose COMMIT may be on its way at once, plus
+ * one. */
+#define IDEMP_CONSUMER_CONNS 2
+
 /* A delivery's life: read and validated (READY, or DEAD when it must be dead-lettered), tried in
  * a transaction, then DONE (committed, duplicate or dead-lettered: ack it) or WAIT (a retry or a
- * pause: due again at due_ms). MOVED: its subscription arrived in another partition than before
- * (see sql/006_partition_routes.sql); a fence must go to the old partition, then it WAITs for it.
+ * pause: due again at due_ms). COMMITTING: its batch's COMMIT is on its way (consumer_tx.c); it
+ * holds its subscription like any unfinished delivery and is not acked. MOVED: its subscription
+ * arrived in another partition than before (see sql/006_partition_routes.sql); a fence must go to
+ * the old partition, then it WAITs for it.
  */
-enum dstate { D_READY, D_WAIT, D_DEAD, D_DONE, D_MOVED };
+enum dstate { D_READY, D_WAIT, D_DEAD, D_DONE, D_MOVED, D_COMMITTING };
 
 typedef struct delivery {
     idemp_msg_t *msg; /* owned */
@@ -63,9 +69,17 @@ struct idem_consumer {
     sql_handler_t **sql_handlers; /* owned; registry entries point at them */
     size_t nsql_handlers;
     bool sql_checked; /* the SQL handlers' functions were found */
+    bool claim_check; /* idem_claim_check exists: batches go in one round trip */
     idem_consumer_config_t cfg;
     idemp_registry_t *reg;
+    /* PostgreSQL: the next transaction runs on pg, one of pgs with no COMMIT on its way, while
+     * the COMMITs of earlier batches may be on their way on the others (commits; see
+     * consumer_tx.c). The others are connected when first needed: under a light load the
+     * consumer uses one. */
     idemp_pg_t *pg;
+    idemp_pg_t *pgs[IDEMP_CONSUMER_CONNS];
+    struct idemp_commit *commits[IDEMP_CONSUMER_CONNS]; /* NULL: none on its way on pgs[i] */
+    uint64_t commit_order;
     idemp_amqp_t *in;  /* consuming connection */
     idemp_amqp_t *out; /* dead-letter publishing connection (confirms) */
     idemp_metrics_t *metrics;
@@ -100,9 +114,10 @@ static inline bool idemp_consumer_stopping(const idem_consumer_t *c)
 
 /* ---- consumer_inbox.c: deliveries in, dead letters and acks out ---- */
 
-/* Reads new deliveries into the window: waits up to first_wait_ms for the first, then lingers
- * for batch-mates. Returns false when the channel was lost (the window is then empty). */
-bool idemp_consumer_read(idem_consumer_t *c, int64_t first_wait_ms);
+/* Reads new deliveries into the window: waits up to first_wait_ms for the first, then, with
+ * linger, lingers for batch-mates (without, takes only what has arrived). Returns false when the
+ * channel was lost (the window is then empty). */
+bool idemp_consumer_read(idem_consumer_t *c, int64_t first_wait_ms, bool linger);
 /* Publishes the dead-letter copy of every DEAD delivery (each becomes DONE once confirmed). */
 void idemp_consumer_dead_letter_all(idem_consumer_t *c);
 /* Publishes the fence of every MOVED delivery (each then WAITs for it). */
@@ -149,6 +164,22 @@ typedef struct tx_counts {
  * delivery ends DONE, DEAD (with its code), WAIT (a retry, or a pause of the whole consumer: see
  * idemp_consumer_pause), or READY again (not tried: a pause stopped the batch). */
 void idemp_consumer_apply(idem_consumer_t *c, delivery_t **ds, size_t n, tx_counts_t *counts);
+/* A batch of more than one delivery leaves idemp_consumer_apply with its COMMIT on its way (its
+ * deliveries COMMITTING) while the next batches run on other connections. This settles every
+ * batch whose COMMIT's outcome has arrived, as idemp_consumer_apply would have; with wait, first
+ * waits for the oldest one in flight. Returns how many were settled. */
+size_t idemp_consumer_collect(idem_consumer_t *c, bool wait, tx_counts_t *counts);
+/* Waits up to ms for the answer to a COMMIT on its way or for a delivery, whichever comes first
+ * (either may have come: see idemp_consumer_collect and idemp_consumer_read). */
+void idemp_consumer_wait(idem_consumer_t *c, int64_t ms);
+/* Is a COMMIT on its way? */
+bool idemp_consumer_busy(const idem_consumer_t *c);
+/* Points c->pg at a connection with no COMMIT on its way, waiting for (and settling) the oldest
+ * when every one has; returns how many were settled. */
+size_t idemp_consumer_take_conn(idem_consumer_t *c, tx_counts_t *counts);
+/* Waits for every COMMIT on its way and forgets their outcome (their deliveries are about to be
+ * forgotten with their channel: the claim absorbs whatever committed when they come again). */
+void idemp_consumer_forget_inflight(idem_consumer_t *c);
 
 /* Pauses the consumer: nothing is tried before the backoff passes; the cause (a SQLSTATE or
  * "conn") is logged at error level when it starts or changes and counted. */

@@ -10,6 +10,8 @@
 #include "event.h"
 
 #define SQL_FUNCTION_EXISTS "SELECT to_regprocedure($1) IS NOT NULL"
+#define SQL_FUNCTION_USABLE                                                                        \
+    "SELECT coalesce(has_function_privilege(to_regprocedure($1), 'EXECUTE'), false)"
 
 /* ---- SQL handlers ------------------------------------------------------------------------- */
 
@@ -74,18 +76,30 @@ int idem_consumer_register_sql(idem_consumer_t *c, const char *event_type, const
     return idemp_registry_add(c->reg, event_type, run_sql_handler, h);
 }
 
-/* Every SQL handler's function must exist before anything is consumed. */
+/* Every SQL handler's function must exist before anything is consumed; and is the claim check of
+ * the one-round-trip batch there (sql/007_claim_check.sql)? */
 int idemp_consumer_check_sql(idem_consumer_t *c, idem_error_t *err)
 {
+    idemp_rows_t *res = NULL;
+    const char *cp[] = {"idem_claim_check(bigint,integer)"};
+    int rc = idemp_pg_exec(c->pg, SQL_FUNCTION_USABLE, 1, cp, &res, err);
+    if (rc != IDEM_OK)
+        return rc;
+    c->claim_check = idemp_rows_count(res) == 1 && idemp_rows_get(res, 0, 0)[0] == 't';
+    idemp_rows_free(res);
+    if (!c->claim_check)
+        idemp_consumer_log(IDEM_LOG_WARN, c, NULL,
+                           "function idem_claim_check is missing or not executable (run idem "
+                           "migrate): every batch reads its claim before its handlers run, one "
+                           "round trip more");
     for (size_t i = 0; i < idemp_registry_count(c->reg); i++) {
         const idemp_handler_entry_t *e =
             idemp_registry_find(c->reg, idemp_registry_type(c->reg, i));
         if (e->fn != run_sql_handler)
             continue;
         const sql_handler_t *h = e->userdata;
-        idemp_rows_t *res = NULL;
         const char *p[] = {h->signature};
-        int rc = idemp_pg_exec(c->pg, SQL_FUNCTION_EXISTS, 1, p, &res, err);
+        rc = idemp_pg_exec(c->pg, SQL_FUNCTION_EXISTS, 1, p, &res, err);
         if (rc != IDEM_OK)
             return rc;
         bool ok = idemp_rows_count(res) == 1 && idemp_rows_get(res, 0, 0)[0] == 't';

@@ -1,6 +1,7 @@
 /* consumer_tx.c - one transaction over a batch of deliveries: claim the event ids, run the
  * handlers on the same connection, COMMIT; and how every outcome settles under the failure policy
  * (retry, reject, pause). Acks and dead letters happen in consumer.c, after this returns. */
+#include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -38,6 +39,18 @@
     "ON CONFLICT DO NOTHING RETURNING event_id) "                                                  \
     "SELECT event_id::text, 'c' FROM ins UNION ALL "                                               \
     "SELECT c.e::text, 's' FROM c, t WHERE c.ts IS NOT NULL AND t.now_s - c.ts >= $4::bigint"
+
+/* The claim of a batch whose handlers are queued behind it before its answer is read: as
+ * SQL_CLAIM, and unless every id of the batch is claimed, idem_claim_check fails it with SQLSTATE
+ * IDEM1 (sql/007_claim_check.sql), and with it the rest of the pipeline and the COMMIT. */
+#define SQL_CLAIM_ALL                                                                              \
+    "WITH c AS (SELECT e, ts, i FROM unnest($2::uuid[], $3::bigint[]) WITH ORDINALITY AS c(e, "    \
+    "ts, i)), t AS (SELECT floor(extract(epoch FROM clock_timestamp()))::bigint AS now_s), "       \
+    "ins AS (INSERT INTO consumed_events (consumer, event_id) SELECT $1, c.e FROM c, t "           \
+    "WHERE c.ts IS NULL OR t.now_s - c.ts < $4::bigint ORDER BY c.i "                              \
+    "ON CONFLICT DO NOTHING RETURNING 1) "                                                         \
+    "SELECT idem_claim_check((SELECT count(*) FROM ins), $5::integer)"
+#define SQLSTATE_NOT_ALL_NEW "IDEM1"
 
 /* The claim of a partitioned group (--partitions > 1), also keeping idem_partition_routes: a
  * delivery whose subscription was last applied from another partition is not claimed but
@@ -158,8 +171,9 @@ static void settle_failure(idem_consumer_t *c, delivery_t *d, idemp_policy p, co
 }
 
 /* Where a try failed: before the handlers (the runtime's own statements), in a handler, or at
- * COMMIT. */
-typedef enum { AT_NONE, AT_CLAIM, AT_HANDLER, AT_COMMIT } fail_at;
+ * COMMIT; AT_NOT_NEW: a batch tried as all new was not (SQL_CLAIM_ALL), nothing of it committed;
+ * AT_SENT: not over, its COMMIT is on its way. */
+typedef enum { AT_NONE, AT_CLAIM, AT_HANDLER, AT_COMMIT, AT_NOT_NEW, AT_SENT } fail_at;
 
 typedef struct attempt {
     int rc;
@@ -205,8 +219,11 @@ static void build_route_arrays(delivery_t **ds, size_t n, idemp_pgarray_t *subs,
 
 /* BEGIN, settings and the claim, pipelined in one round trip; marks claimed[] and stale[]. A
  * single delivery leaves pipeline mode here, so that its handler's statements fail one by one
- * (the failure policy needs to know which one failed); a batch stays pipelined. */
-static int claim(idem_consumer_t *c, delivery_t **ds, size_t n, bool single, attempt_t *a)
+ * (the failure policy needs to know which one failed); a batch stays pipelined. With all_new the
+ * claim is only queued, every delivery taken as claimed: it fails the transaction if one is not
+ * (SQL_CLAIM_ALL). */
+static int claim(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size_t n, bool single,
+                 bool all_new, attempt_t *a)
 {
     idemp_pgarray_t ids, tss, subs, parts, fences;
     bool routed = c->cfg.partitions > 1;
@@ -219,18 +236,25 @@ static int claim(idem_consumer_t *c, delivery_t **ds, size_t n, bool single, att
                  ? IDEM_OK
                  : idem_error_set(&a->err, IDEM_ERR_NOMEM, "out of memory");
     if (rc == IDEM_OK)
-        rc = idemp_pg_command(c->pg, "BEGIN", &a->err);
+        rc = idemp_pg_command(pg, "BEGIN", &a->err);
     if (rc == IDEM_OK) {
         const char *p[] = {c->settings[0], c->settings[1]};
-        rc = idemp_pg_exec(c->pg, SQL_SETTINGS, 2, p, NULL, &a->err);
+        rc = idemp_pg_exec(pg, SQL_SETTINGS, 2, p, NULL, &a->err);
     }
     idemp_rows_t *res = NULL;
-    if (rc == IDEM_OK) {
+    if (rc == IDEM_OK && all_new) {
+        char want[24];
+        snprintf(want, sizeof want, "%zu", n);
+        const char *p[] = {c->consumer, ids_s, tss_s, c->window_s, want};
+        rc = idemp_pg_exec(pg, SQL_CLAIM_ALL, 5, p, NULL, &a->err);
+        for (size_t i = 0; i < n; i++)
+            a->claimed[i] = true;
+    } else if (rc == IDEM_OK) {
         const char *p[] = {c->consumer, ids_s, tss_s, c->window_s, subs_s, parts_s, fences_s};
         const char *sql = routed ? SQL_CLAIM_PARTITIONED : SQL_CLAIM;
         int np = routed ? 7 : 4;
-        rc = single ? idemp_pg_pipeline_finish(c->pg, sql, np, p, &res, &a->err)
-                    : idemp_pg_exec(c->pg, sql, np, p, &res, &a->err);
+        rc = single ? idemp_pg_pipeline_finish(pg, sql, np, p, &res, &a->err)
+                    : idemp_pg_exec(pg, sql, np, p, &res, &a->err);
     }
     for (int r = 0; rc == IDEM_OK && r < idemp_rows_count(res); r++) {
         char kind = idemp_rows_get(res, r, 1)[0];
@@ -263,7 +287,7 @@ static int claim(idem_consumer_t *c, delivery_t **ds, size_t n, bool single, att
 }
 
 /* Runs the handlers of the claimed deliveries; stops at the first failure. */
-static int handle(idem_consumer_t *c, delivery_t **ds, size_t n, attempt_t *a)
+static int handle(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size_t n, attempt_t *a)
 {
     struct idem_event ev;
     for (size_t i = 0; i < n; i++) {
@@ -271,12 +295,12 @@ static int handle(idem_consumer_t *c, delivery_t **ds, size_t n, attempt_t *a)
             continue;
         delivery_t *d = ds[i];
         idemp_event_init(&ev, d->ev.event_id, d->ev.event_type, c->consumer, d->ev.subscription_id,
-                         d->ev.payload, d->msg, c->pg);
+                         d->ev.payload, d->msg, pg);
         ev.has_seq = d->ev.has_seq;
         ev.seq = d->ev.seq;
         idem_outcome o = d->handler->fn(&ev, d->handler->userdata);
         idemp_amqp_keepalive(c->in); /* a slow batch must not look like a dead link */
-        if (ev.pg_lost || !idemp_pg_connected(c->pg))
+        if (ev.pg_lost || !idemp_pg_connected(pg))
             return idem_error_set(&a->err, IDEM_ERR_PG_LOST, "connection lost in a handler: %s",
                                   ev.detail);
         /* a statement that failed through idem_event_exec decides, whatever the handler says */
@@ -292,28 +316,78 @@ static int handle(idem_consumer_t *c, delivery_t **ds, size_t n, attempt_t *a)
     return IDEM_OK;
 }
 
-/* One transaction over ds[0..n): all or nothing. */
-static void attempt(idem_consumer_t *c, delivery_t **ds, size_t n, bool single, attempt_t *a)
+/* Did the claim of a batch tried as all new find an id that is not? */
+static bool not_all_new(const attempt_t *a)
+{
+    return strcmp(a->err.sqlstate, SQLSTATE_NOT_ALL_NEW) == 0 ||
+           strcmp(a->sqlstate, SQLSTATE_NOT_ALL_NEW) == 0;
+}
+
+/* One transaction over ds[0..n): all or nothing. With all_new, a batch goes in one round trip,
+ * its handlers queued behind a claim that fails it unless every id is new (SQL_CLAIM_ALL). With
+ * may_send, a batch still pipelined when its handlers are done sends its COMMIT and returns at
+ * once (AT_SENT): see wait_commit. */
+static void attempt(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size_t n, bool single,
+                    bool all_new, bool may_send, attempt_t *a)
 {
     a->at = AT_CLAIM;
-    a->rc = idemp_pg_pipeline_begin(c->pg, &a->err);
+    a->rc = idemp_pg_pipeline_begin(pg, &a->err);
     if (a->rc == IDEM_OK)
-        a->rc = claim(c, ds, n, single, a);
+        a->rc = claim(c, pg, ds, n, single, all_new, a);
     if (a->rc == IDEM_OK) {
         a->at = AT_HANDLER;
-        a->rc = handle(c, ds, n, a);
+        a->rc = handle(c, pg, ds, n, a);
     }
     if (a->rc == IDEM_OK) {
         a->at = AT_COMMIT;
         idemp_fault_point("consumer.before_commit");
-        a->rc = idemp_pg_commit(c->pg, &a->err);
+        if (may_send && !single && idemp_pg_pipeline_open(pg)) {
+            a->rc = idemp_pg_queue_commit(pg, &a->err);
+            if (a->rc == IDEM_OK)
+                a->rc = idemp_pg_pipeline_send(pg, &a->err);
+            if (a->rc == IDEM_OK) {
+                a->at = AT_SENT;
+                return;
+            }
+        } else {
+            a->rc = idemp_pg_commit(pg, &a->err);
+        }
         if (a->rc == IDEM_OK) {
             a->at = AT_NONE;
             idemp_fault_point("consumer.after_commit");
             return;
         }
     }
-    idemp_pg_rollback(c->pg);
+    idemp_pg_rollback(pg);
+    if (all_new && a->rc != IDEM_ERR_PG_LOST && idemp_pg_connected(pg) && not_all_new(a))
+        a->at = AT_NOT_NEW;
+}
+
+/* The outcome of a COMMIT sent by attempt, if it has arrived (false: not yet; wait: until it
+ * has, the consuming link kept alive meanwhile); finishes a as attempt would have. */
+static bool commit_outcome(idem_consumer_t *c, idemp_pg_t *pg, attempt_t *a, bool wait)
+{
+    for (;;) {
+        bool done = false;
+        a->rc = idemp_pg_pipeline_poll(pg, &done, NULL, 0, &a->err);
+        if (done)
+            break;
+        if (!wait)
+            return false;
+        struct pollfd pfd = {idemp_pg_socket(pg), POLLIN, 0};
+        poll(&pfd, 1, 200);
+        idemp_amqp_keepalive(c->in);
+    }
+    if (a->rc == IDEM_OK) {
+        a->at = AT_NONE;
+        idemp_fault_point("consumer.after_commit");
+        return true;
+    }
+    a->at = AT_COMMIT; /* a handler's statement, or the COMMIT itself */
+    idemp_pg_rollback(pg);
+    if (a->rc != IDEM_ERR_PG_LOST && idemp_pg_connected(pg) && not_all_new(a))
+        a->at = AT_NOT_NEW;
+    return true;
 }
 
 /* d's subscription was applied from partition was: d waits for its fence (published by
@@ -342,30 +416,37 @@ static void held_moved(idem_consumer_t *c, delivery_t *d, int was)
     }
 }
 
-static run_result run(idem_consumer_t *c, delivery_t **ds, size_t n, bool single,
-                      tx_counts_t *counts)
+/* The attempt arrays, for n deliveries; false when out of memory. */
+static bool attempt_init(attempt_t *a, size_t n)
 {
-    attempt_t a;
-    memset(&a, 0, sizeof a);
-    a.claimed = calloc(n, sizeof *a.claimed);
-    a.stale = calloc(n, sizeof *a.stale);
-    a.moved = malloc(n * sizeof *a.moved);
-    if (a.claimed == NULL || a.stale == NULL || a.moved == NULL) {
-        free(a.claimed);
-        free(a.stale);
-        free(a.moved);
-        idemp_consumer_pause(c, "53200", "out of memory");
-        return R_PAUSE;
-    }
+    memset(a, 0, sizeof *a);
+    a->claimed = calloc(n, sizeof *a->claimed);
+    a->stale = calloc(n, sizeof *a->stale);
+    a->moved = malloc(n * sizeof *a->moved);
+    if (a->claimed == NULL || a->stale == NULL || a->moved == NULL)
+        return false;
     for (size_t i = 0; i < n; i++)
-        a.moved[i] = -1;
-    attempt(c, ds, n, single, &a);
+        a->moved[i] = -1;
+    return true;
+}
+
+static void attempt_free(attempt_t *a)
+{
+    free(a->claimed);
+    free(a->stale);
+    free(a->moved);
+}
+
+/* How a finished attempt over ds[0..n) settles each delivery. */
+static run_result settle(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size_t n, bool single,
+                         attempt_t *a, tx_counts_t *counts)
+{
     run_result result = R_OK;
-    if (a.at == AT_NONE) {
+    if (a->at == AT_NONE) {
         for (size_t i = 0; i < n; i++) {
             delivery_t *d = ds[i];
-            if (a.moved[i] >= 0) {
-                held_moved(c, d, a.moved[i]);
+            if (a->moved[i] >= 0) {
+                held_moved(c, d, a->moved[i]);
                 continue;
             }
             if (d->held_since != 0)
@@ -374,7 +455,7 @@ static run_result run(idem_consumer_t *c, delivery_t **ds, size_t n, bool single
                                    "subscription's earlier events",
                                    (double)(idemp_now_ms() - d->held_since) / 1000.0,
                                    d->moved_from);
-            if (a.stale[i]) {
+            if (a->stale[i]) {
                 d->dl_code = IDEMP_DL_STALE;
                 snprintf(d->detail, sizeof d->detail,
                          "timestamp %lld is older than the dedup window of %s s less its safety "
@@ -383,63 +464,60 @@ static run_result run(idem_consumer_t *c, delivery_t **ds, size_t n, bool single
                 d->state = D_DEAD;
             } else {
                 d->state = D_DONE;
-                if (a.claimed[i])
+                if (a->claimed[i])
                     counts->applied++;
                 else
                     counts->duplicates++;
                 idemp_metrics_event(c->metrics, d->handler->event_type,
-                                    a.claimed[i] ? IDEMP_OUT_APPLIED : IDEMP_OUT_DUPLICATE);
-                if (a.claimed[i] && d->ev.has_timestamp)
+                                    a->claimed[i] ? IDEMP_OUT_APPLIED : IDEMP_OUT_DUPLICATE);
+                if (a->claimed[i] && d->ev.has_timestamp)
                     idemp_metrics_lag(c->metrics,
                                       (double)idemp_wall_us() / 1e6 - (double)d->ev.timestamp_s);
             }
         }
         resumed(c);
-    } else if (a.rc == IDEM_ERR_PG_LOST || !idemp_pg_connected(c->pg)) {
+    } else if (a->rc == IDEM_ERR_PG_LOST || !idemp_pg_connected(pg)) {
         /* the outcome of what was in flight is unknown: redo it after reconnecting, the claim
          * absorbs whatever did commit; nothing is acked meanwhile */
-        idemp_consumer_pause(c, "08006", a.err.text[0] ? a.err.text : "connection lost");
+        idemp_consumer_pause(c, "08006", a->err.text[0] ? a->err.text : "connection lost");
         result = R_PAUSE;
     } else if (!single) {
         idemp_consumer_log(IDEM_LOG_DEBUG, c, NULL, "batch of %zu failed, one by one: %s", n,
-                           a.err.text[0] ? a.err.text : ds[0]->detail);
+                           a->err.text[0] ? a->err.text : ds[0]->detail);
         result = R_FALLBACK;
-    } else if (a.at == AT_CLAIM) {
+    } else if (a->at == AT_CLAIM) {
         /* the runtime's own statement failed: nothing about this event is at fault */
-        idemp_consumer_pause(c, a.err.sqlstate[0] ? a.err.sqlstate : "XX000", a.err.text);
+        idemp_consumer_pause(c, a->err.sqlstate[0] ? a->err.sqlstate : "XX000", a->err.text);
         result = R_PAUSE;
-    } else if (a.at == AT_HANDLER) {
-        delivery_t *d = a.failed;
+    } else if (a->at == AT_HANDLER) {
+        delivery_t *d = a->failed;
         idemp_policy p;
-        if (a.sqlstate[0] != '\0')
-            p = idemp_policy_for_handler(a.sqlstate);
+        if (a->sqlstate[0] != '\0')
+            p = idemp_policy_for_handler(a->sqlstate);
         else
-            p = a.outcome == IDEM_REJECT ? IDEMP_POLICY_REJECT : IDEMP_POLICY_RETRY;
-        if (a.outcome == IDEM_INVALID && a.sqlstate[0] == '\0') {
+            p = a->outcome == IDEM_REJECT ? IDEMP_POLICY_REJECT : IDEMP_POLICY_RETRY;
+        if (a->outcome == IDEM_INVALID && a->sqlstate[0] == '\0') {
             d->dl_code = IDEMP_DL_INVALID_PAYLOAD;
             d->state = D_DEAD;
         } else if (p == IDEMP_POLICY_PAUSE) {
-            idemp_consumer_pause(c, a.sqlstate, d->detail);
+            idemp_consumer_pause(c, a->sqlstate, d->detail);
             result = R_PAUSE;
         } else {
-            snprintf(d->last_state, sizeof d->last_state, "%s", a.sqlstate);
+            snprintf(d->last_state, sizeof d->last_state, "%s", a->sqlstate);
             settle_failure(c, d, p, d->detail);
         }
     } else { /* AT_COMMIT */
         delivery_t *d = ds[0];
-        idemp_policy p = a.rc == IDEM_ERR_PG_ROLLBACK ? IDEMP_POLICY_RETRY
-                                                      : idemp_policy_for_commit(a.err.sqlstate);
+        idemp_policy p = a->rc == IDEM_ERR_PG_ROLLBACK ? IDEMP_POLICY_RETRY
+                                                       : idemp_policy_for_commit(a->err.sqlstate);
         if (p == IDEMP_POLICY_PAUSE) {
-            idemp_consumer_pause(c, a.err.sqlstate[0] ? a.err.sqlstate : "XX000", a.err.text);
+            idemp_consumer_pause(c, a->err.sqlstate[0] ? a->err.sqlstate : "XX000", a->err.text);
             result = R_PAUSE;
         } else {
-            snprintf(d->last_state, sizeof d->last_state, "%s", a.err.sqlstate);
-            settle_failure(c, d, p, a.err.text);
+            snprintf(d->last_state, sizeof d->last_state, "%s", a->err.sqlstate);
+            settle_failure(c, d, p, a->err.text);
         }
     }
-    free(a.claimed);
-    free(a.stale);
-    free(a.moved);
     return result;
 }
 
@@ -505,17 +583,70 @@ static size_t record_fences(idem_consumer_t *c, delivery_t **ds, size_t n)
     return events;
 }
 
-void idemp_consumer_apply(idem_consumer_t *c, delivery_t **ds, size_t n, tx_counts_t *counts)
+/* A batch whose COMMIT is on its way: its connection, its deliveries (in the window) and what its
+ * claim found. */
+struct idemp_commit {
+    idemp_pg_t *pg;
+    uint64_t order;  /* sent after every commit of a lower order */
+    delivery_t **ds; /* owned array */
+    size_t n;
+    attempt_t a;
+};
+
+static void commit_free(struct idemp_commit *k)
 {
-    n = record_fences(c, ds, n);
-    if (n == 0)
+    if (k == NULL)
         return;
-    qsort(ds, n, sizeof *ds, by_subscription);
-    run_result r = run(c, ds, n, n == 1, counts);
-    if (r != R_FALLBACK)
-        return;
-    /* one by one; a delivery left waiting (a retry, a moved subscription) holds the rest of its
-     * key (see idemp_window_key) */
+    attempt_free(&k->a);
+    free(k->ds);
+    free(k);
+}
+
+/* One transaction over ds[0..n) on pg, settled; or, for a batch (sent non-NULL), its COMMIT sent
+ * and the batch returned in *sent, unsettled (R_OK). all_new: try a batch in one round trip
+ * first (see attempt); when it was not all new, it goes again with its claim read first. */
+static run_result run(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size_t n, bool single,
+                      bool all_new, struct idemp_commit **sent, tx_counts_t *counts)
+{
+    struct idemp_commit *k = calloc(1, sizeof *k);
+    if (k == NULL || !attempt_init(&k->a, n) ||
+        (sent != NULL && !single && (k->ds = malloc(n * sizeof *k->ds)) == NULL)) {
+        commit_free(k);
+        idemp_consumer_pause(c, "53200", "out of memory");
+        return R_PAUSE;
+    }
+    all_new = all_new && !single && c->claim_check && c->cfg.partitions == 1;
+    attempt(c, pg, ds, n, single, all_new, k->ds != NULL, &k->a);
+    if (k->a.at == AT_NOT_NEW) {
+        idemp_consumer_log(IDEM_LOG_DEBUG, c, NULL,
+                           "batch of %zu not all new, again with its claim read first", n);
+        attempt_free(&k->a);
+        if (!attempt_init(&k->a, n)) {
+            commit_free(k);
+            idemp_consumer_pause(c, "53200", "out of memory");
+            return R_PAUSE;
+        }
+        attempt(c, pg, ds, n, single, false, k->ds != NULL, &k->a);
+    }
+    if (k->a.at == AT_SENT) {
+        k->pg = pg;
+        k->n = n;
+        memcpy(k->ds, ds, n * sizeof *ds);
+        for (size_t i = 0; i < n; i++)
+            ds[i]->state = D_COMMITTING;
+        *sent = k;
+        return R_OK;
+    }
+    run_result r = settle(c, pg, ds, n, single, &k->a, counts);
+    commit_free(k);
+    return r;
+}
+
+/* After a batch failed: one transaction per delivery; a delivery left waiting (a retry, a moved
+ * subscription) holds the rest of its key (see idemp_window_key). */
+static void one_by_one(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size_t n,
+                       tx_counts_t *counts)
+{
     uint64_t *held = malloc(n * sizeof *held);
     size_t nheld = 0;
     if (held == NULL) {
@@ -532,7 +663,7 @@ void idemp_consumer_apply(idem_consumer_t *c, delivery_t **ds, size_t n, tx_coun
             behind = held[j] == k;
         if (behind)
             continue; /* stays as it was, behind the waiting one */
-        if (run(c, &ds[i], 1, true, counts) == R_PAUSE)
+        if (run(c, pg, &ds[i], 1, true, false, NULL, counts) == R_PAUSE)
             break;
         if (d->state == D_WAIT && timed_out(d))
             break; /* a lock or a statement timeout: the others would wait as long; next turn */
@@ -540,4 +671,117 @@ void idemp_consumer_apply(idem_consumer_t *c, delivery_t **ds, size_t n, tx_coun
             held[nheld++] = k;
     }
     free(held);
+}
+
+/* Settles the batch of commits[i], whose outcome has arrived. */
+static void settle_commit(idem_consumer_t *c, int i, tx_counts_t *counts)
+{
+    struct idemp_commit *k = c->commits[i];
+    c->commits[i] = NULL;
+    for (size_t j = 0; j < k->n; j++)
+        k->ds[j]->state = D_READY; /* what is not settled below goes again */
+    run_result r;
+    if (k->a.at == AT_NOT_NEW) { /* nothing of it committed: again, its claim read first */
+        idemp_consumer_log(IDEM_LOG_DEBUG, c, NULL,
+                           "batch of %zu not all new, again with its claim read first", k->n);
+        r = run(c, k->pg, k->ds, k->n, false, false, NULL, counts);
+    } else {
+        r = settle(c, k->pg, k->ds, k->n, false, &k->a, counts);
+    }
+    if (r == R_FALLBACK)
+        one_by_one(c, k->pg, k->ds, k->n, counts);
+    commit_free(k);
+}
+
+/* The index of the oldest commit in flight, -1 when none. */
+static int oldest(const idem_consumer_t *c)
+{
+    int o = -1;
+    for (int i = 0; i < IDEMP_CONSUMER_CONNS; i++)
+        if (c->commits[i] != NULL && (o < 0 || c->commits[i]->order < c->commits[o]->order))
+            o = i;
+    return o;
+}
+
+bool idemp_consumer_busy(const idem_consumer_t *c)
+{
+    return oldest(c) >= 0;
+}
+
+size_t idemp_consumer_collect(idem_consumer_t *c, bool wait, tx_counts_t *counts)
+{
+    size_t settled = 0;
+    int o = wait ? oldest(c) : -1;
+    if (o >= 0) {
+        commit_outcome(c, c->commits[o]->pg, &c->commits[o]->a, true);
+        settle_commit(c, o, counts);
+        settled++;
+    }
+    for (int i = 0; i < IDEMP_CONSUMER_CONNS; i++) {
+        struct idemp_commit *k = c->commits[i];
+        if (k != NULL && commit_outcome(c, k->pg, &k->a, false)) {
+            settle_commit(c, i, counts);
+            settled++;
+        }
+    }
+    return settled;
+}
+
+void idemp_consumer_wait(idem_consumer_t *c, int64_t ms)
+{
+    if (idemp_amqp_buffered(c->in))
+        return;
+    struct pollfd pfd[1 + IDEMP_CONSUMER_CONNS];
+    nfds_t n = 0;
+    int fd = idemp_amqp_socket(c->in);
+    if (fd >= 0)
+        pfd[n++] = (struct pollfd){fd, POLLIN, 0};
+    for (int i = 0; i < IDEMP_CONSUMER_CONNS; i++)
+        if (c->commits[i] != NULL && (fd = idemp_pg_socket(c->commits[i]->pg)) >= 0)
+            pfd[n++] = (struct pollfd){fd, POLLIN, 0};
+    poll(pfd, n, (int)ms);
+    idemp_amqp_keepalive(c->in);
+}
+
+size_t idemp_consumer_take_conn(idem_consumer_t *c, tx_counts_t *counts)
+{
+    size_t settled = 0;
+    for (;;) {
+        for (int i = 0; i < IDEMP_CONSUMER_CONNS; i++)
+            if (c->commits[i] == NULL) {
+                c->pg = c->pgs[i];
+                return settled;
+            }
+        settled += idemp_consumer_collect(c, true, counts);
+    }
+}
+
+void idemp_consumer_forget_inflight(idem_consumer_t *c)
+{
+    for (int i = 0; i < IDEMP_CONSUMER_CONNS; i++) {
+        struct idemp_commit *k = c->commits[i];
+        if (k == NULL)
+            continue;
+        c->commits[i] = NULL;
+        commit_outcome(c, k->pg, &k->a, true);
+        commit_free(k);
+    }
+}
+
+void idemp_consumer_apply(idem_consumer_t *c, delivery_t **ds, size_t n, tx_counts_t *counts)
+{
+    struct idemp_commit *sent = NULL;
+    n = record_fences(c, ds, n);
+    if (n == 0)
+        return;
+    qsort(ds, n, sizeof *ds, by_subscription);
+    if (run(c, c->pg, ds, n, n == 1, true, &sent, counts) == R_FALLBACK)
+        one_by_one(c, c->pg, ds, n, counts);
+    if (sent == NULL)
+        return;
+    for (int i = 0; i < IDEMP_CONSUMER_CONNS; i++)
+        if (c->pgs[i] == c->pg) {
+            sent->order = ++c->commit_order;
+            c->commits[i] = sent;
+        }
 }

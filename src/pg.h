@@ -97,6 +97,9 @@ int idemp_pg_queue_commit(idemp_pg_t *pg, idem_error_t *err);
 int idemp_pg_pipeline_send(idemp_pg_t *pg, idem_error_t *err);
 /* A sent pipeline is waiting for (the rest of) its results. */
 bool idemp_pg_pipeline_sent(const idemp_pg_t *pg);
+/* A pipeline is open and not sent yet: more can be queued (false once a handler took the bare
+ * connection, see idemp_pg_pipeline_pause). */
+bool idemp_pg_pipeline_open(const idemp_pg_t *pg);
 /* Reads what has arrived of the sent pipeline without blocking. While more is to come, *done is
  * false and IDEM_OK returned. Once it is answered (or the connection is lost) pipeline mode is
  * left, *done is true, and the outcome returned: IDEM_OK with the kept results in out[0..nout)

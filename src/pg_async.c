@@ -72,6 +72,11 @@ bool idemp_pg_pipeline_sent(const idemp_pg_t *pg)
     return pg->sent;
 }
 
+bool idemp_pg_pipeline_open(const idemp_pg_t *pg)
+{
+    return pg->pipeline && !pg->sent && pg->conn != NULL;
+}
+
 /* The pipeline is over (its sync arrived, or the connection is gone): leaves pipeline mode and
  * hands back the outcome. */
 static int finish(idemp_pg_t *pg, idemp_rows_t **out, int nout, idem_error_t *err)
