@@ -33,6 +33,12 @@
 #define SQL_OLDEST_PENDING                                                                         \
     "SELECT extract(epoch FROM clock_timestamp() - created_at) FROM event_outbox"                  \
     " WHERE status = 'pending' ORDER BY seq LIMIT 1"
+/* The gauge's read waits for a lock this long at most (transaction-local): behind a queued lock
+ * request on the outbox (a migration's ALTER TABLE) it would otherwise hold up the loop, and with
+ * it the commits of our batches in flight that the request waits for. */
+#define SQL_GAUGE_SETTINGS                                                                         \
+    "SELECT set_config('lock_timeout', '100', true),"                                              \
+    " set_config('statement_timeout', '1000', true)"
 
 static const char *const LOGC = "relay";
 
@@ -248,8 +254,26 @@ void idemp_relay_update_gauge(idem_relay_t *r, bool force)
     r->gauge_next_ms = now + GAUGE_EVERY_MS;
     idemp_rows_t *res = NULL;
     idem_error_t e = {0};
-    if (idemp_pg_exec(r->ctl, SQL_OLDEST_PENDING, 0, NULL, &res, &e) != IDEM_OK)
+    int rc = idemp_pg_pipeline_begin(r->ctl, &e);
+    if (rc == IDEM_OK)
+        rc = idemp_pg_queue_command(r->ctl, "BEGIN", &e);
+    if (rc == IDEM_OK)
+        rc = idemp_pg_queue(r->ctl, SQL_GAUGE_SETTINGS, 0, NULL, false, &e);
+    if (rc == IDEM_OK)
+        rc = idemp_pg_queue(r->ctl, SQL_OLDEST_PENDING, 0, NULL, true, &e);
+    if (rc == IDEM_OK)
+        rc = idemp_pg_queue_commit(r->ctl, &e);
+    if (rc == IDEM_OK)
+        rc = idemp_pg_pipeline_send(r->ctl, &e);
+    if (rc == IDEM_OK)
+        rc = idemp_pg_pipeline_wait(r->ctl, &res, 1, &e);
+    if (rc != IDEM_OK) {
+        /* the gauge keeps its last value; it is read again in a second */
+        idemp_pg_rollback(r->ctl);
+        const char *kv[] = {"server", "postgres", NULL};
+        idem_log(IDEM_LOG_DEBUG, LOGC, kv, "backlog gauge not read: %s", e.text);
         return;
+    }
     idemp_metrics_oldest_pending(
         r->metrics, idemp_rows_count(res) > 0 ? strtod(idemp_rows_get(res, 0, 0), NULL) : 0.0);
     idemp_rows_free(res);

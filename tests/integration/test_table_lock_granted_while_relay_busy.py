@@ -11,9 +11,10 @@ over a backlog; a LOCK TABLE ... ACCESS EXCLUSIVE with a 10 s lock_timeout must 
 everything is then sent once.
 """
 
+import threading
 import time
 
-from conftest import wait_until
+from conftest import free_port, wait_until
 from relay_helpers import relay_daemons, status_counts
 
 __all__ = ["relay_daemons"]
@@ -57,3 +58,57 @@ def test_table_lock_granted_while_relays_busy(db, servers, queues, broker, relay
     for r in relays:
         assert r.stop() == 0
     print(f"the table lock waited {', '.join(f'{w * 1000:.0f} ms' for w in waits)}")
+
+
+def test_table_lock_granted_while_the_backlog_gauge_waits(db, servers, queues, broker,
+                                                          relay_daemons):
+    """The relay reads its backlog gauge (with --metrics-port) on its control connection once a
+    second. While a lock request on the outbox is queued, that read queues behind it; were the
+    relay to wait for it, its batches in flight could not commit, the lock could not be granted,
+    and relay and lock would wait on each other until one timed out. Here RabbitMQ holds the
+    relay's confirms back (a memory alarm) while LOCK TABLE queues behind its batches in flight
+    for 2.5 s (gauge reads queue behind the request); once the alarm clears, the lock must be
+    granted within seconds, not at its own timeout."""
+    q = queues.new()
+    with broker.channel() as ch:
+        broker.declare_exchange(ch)
+        ch.queue_declare(queue=q, durable=False)
+        ch.queue_bind(queue=q, exchange="billing.events", routing_key=TYPE)
+    n = 30_000
+    db.execute("INSERT INTO event_outbox (event_id, subscription_id, event_type, payload)"
+               " SELECT gen_random_uuid(), ('00000000-0000-4000-8000-' || lpad((i %% 300)::text,"
+               " 12, '0'))::uuid, %s, jsonb_build_object('n', i)"
+               " FROM generate_series(1, %s) AS i", TYPE, n)
+    relay = relay_daemons(["--lock-timeout", "30s", "--batch", "50", "--metrics-port",
+                           str(free_port())])
+    wait_until(lambda: relay.sent() > 2000, 30, 0.01, "the relay publishing")
+
+    result = {}
+
+    def lock():
+        with db.connect(autocommit=False) as conn, conn.cursor() as cur:
+            cur.execute("SET lock_timeout = '20s'")
+            try:
+                cur.execute("LOCK TABLE event_outbox IN ACCESS EXCLUSIVE MODE")
+                result["granted"] = time.monotonic()
+            except Exception as e:  # reported below
+                result["error"] = str(e)
+            conn.rollback()
+
+    servers.rmqctl("set_vm_memory_high_watermark", "0.000001")
+    try:
+        time.sleep(0.5)  # the relay's batches in flight wait for their confirms
+        t = threading.Thread(target=lock)
+        t.start()
+        time.sleep(2.5)  # the lock request queues; the relay's gauge reads queue behind it
+    finally:
+        servers.rmqctl("set_vm_memory_high_watermark", "0.4")
+    released = time.monotonic()
+    t.join(30)
+    assert "error" not in result, result.get("error")
+    waited = result["granted"] - released
+    assert waited < 5, f"the table lock was granted {waited:.1f} s after the alarm cleared"
+    wait_until(lambda: db.count("event_outbox", "status = 'sent'") == n, 60, 0.2,
+               lambda: f"{n} rows sent (now {status_counts(db)})")
+    assert relay.stop() == 0
+    print(f"the table lock was granted {waited * 1000:.0f} ms after the alarm cleared")
