@@ -135,6 +135,10 @@ def parse_args():
     ap.add_argument("--lat-rate", type=float, default=env_float("BENCH_LAT_RATE", 1000))
     ap.add_argument("--lat-rate-high", type=float, default=env_float("BENCH_LAT_RATE_HIGH", 5000),
                     help="the second, higher steady rate of the latency phase (5000; 0: none)")
+    ap.add_argument("--lat-per-tx-high", type=int, default=env_int("BENCH_LAT_PER_TX_HIGH", 4),
+                    help="events per emitting transaction at --lat-rate-high (4: one event per "
+                         "transaction tops out near 1/commit time, since idem_emit's NOTIFY "
+                         "makes PostgreSQL commit notifying transactions one at a time)")
     ap.add_argument("--lat-seconds", type=float, default=env_float("BENCH_LAT_SECONDS", 5))
     ap.add_argument("--lat-rounds", type=int, default=env_int("BENCH_LAT_ROUNDS", 3))
     ap.add_argument("--idle-events", type=int, default=env_int("BENCH_IDLE_EVENTS", 40))
@@ -613,11 +617,12 @@ def latency_of(run, procs):
             "relay_transactions": rtx, "consumer_transactions": ctx}
 
 
-def latency_round(run, rate, conns, procs):
-    """emit_rate at rate for --lat-seconds on conns connections; the latency of that run, with
-    the emitter's own report under "emitter"."""
+def latency_round(run, rate, conns, procs, per_tx=1):
+    """emit_rate at rate for --lat-seconds on conns connections, per_tx events a transaction;
+    the latency of that run, with the emitter's own report under "emitter"."""
     out = run_json([tool("emit_rate"), "--rate", str(rate), "--seconds", str(A.lat_seconds),
-                    "--run", run, "--conns", str(conns)], A.lat_seconds + 120, "emit_rate")
+                    "--run", run, "--conns", str(conns), "--per-tx", str(per_tx)],
+                   A.lat_seconds + 120, "emit_rate")
     lat = latency_of(run, procs)
     lat["emitter"] = out
     return lat
@@ -660,11 +665,20 @@ def phase_latency():
                 f"{lat['relay_transactions']} relay and {lat['consumer_transactions']} consumer "
                 "transactions)")
         for r in range(A.lat_rounds if A.lat_rate_high > 0 else 0):
-            lat = latency_round(f"lat-hi-{r}", A.lat_rate_high, 16, procs)
+            lat = latency_round(f"lat-hi-{r}", A.lat_rate_high, 8, procs, A.lat_per_tx_high)
             sample("latency_high", lat)
             log(f"latency round {r + 1} at {lat['emitter']['achieved_rate']:.0f}/s (of "
-                f"{A.lat_rate_high:.0f}/s): p50 {lat['p50']:.2f} ms, p99 {lat['p99']:.2f} ms, max "
-                f"{lat['max']:.2f} ms")
+                f"{A.lat_rate_high:.0f}/s, {A.lat_per_tx_high} events a transaction): p50 "
+                f"{lat['p50']:.2f} ms, p99 {lat['p99']:.2f} ms, max {lat['max']:.2f} ms")
+        if A.lat_rate_high > 0:
+            # the emitter's ceiling with one event per transaction (what bounds it: NOTIFY)
+            out = run_json([tool("emit_rate"), "--rate", str(A.lat_rate_high), "--seconds", "2",
+                            "--run", "lat-ceiling", "--conns", "16"], 120, "emit_rate")
+            RES["emit_ceiling"] = out
+            log(f"emitter, one event a transaction on 16 connections: {out['achieved_rate']:.0f}"
+                f"/s of {A.lat_rate_high:.0f}/s asked")
+            wait_for(lambda: run_consumed("lat-ceiling")[1] >= out["emitted"], 60,
+                     "the ceiling run's events applied", procs, 0.1)
         # idle CPU
         time.sleep(2.0)
         c0 = [p.cpu_seconds() for p in procs]
@@ -917,7 +931,7 @@ def build_rows():
     add(f"latency max at {rate}", mx, "ms", None, "", "", "", None)
     hi = RES["samples"].get("latency_high") or []
     if hi:
-        rate_hi = f"{A.lat_rate_high:,.0f}/s"
+        rate_hi = f"{A.lat_rate_high:,.0f}/s, {A.lat_per_tx_high} a transaction"
         got = statistics.median([x["emitter"]["achieved_rate"] for x in hi])
         if got < 0.95 * A.lat_rate_high:
             rate_hi += f" (reached {got:,.0f}/s)"
@@ -925,6 +939,10 @@ def build_rows():
             "", "", "", None)
         add(f"latency p99 at {rate_hi}", statistics.median([x["p99"] for x in hi]), "ms", 25,
             "target", "ms", "<= 25 ms", lambda v, x: v <= 25)
+    ce = RES.get("emit_ceiling")
+    if ce:
+        add("emitter, one event a transaction, 16 connections", ce["achieved_rate"], "events/s",
+            None, "", "", "", None)
     li = RES.get("latency_idle") or {}
     for k in ("p50", "p99", "max"):
         add(f"latency {k} idle (one at a time)", li.get(k), "ms", None, "", "", "", None)

@@ -6,6 +6,10 @@
  * machine's two cores from what it measures.
  *
  *   emit_rate --run NAME [--rate 1000] [--seconds 5] [--conns 4] [--subscriptions 500]
+ *             [--per-tx 1]
+ *
+ * With --per-tx K, events go K to a transaction (BEGIN, K calls, COMMIT), the transactions at
+ * --rate / K a second: events i*K .. i*K+K-1 make transaction i, which is due at t0 + i*K/rate.
  *
  * The connection comes from IDEM_PG_URL. Event i gets dedup key NAME-i, subscription
  * md5('bench-sub-' || i % subscriptions)::uuid and a billing payload carrying
@@ -31,7 +35,7 @@ static const char *SQL =
 static const char *conninfo, *run;
 static double rate = 1000, seconds = 5;
 static long total, nsubs = 500;
-static int conns = 4;
+static int conns = 4, per_tx = 1;
 static struct timespec t0;
 
 typedef struct {
@@ -44,6 +48,16 @@ typedef struct {
 static double ts_diff(const struct timespec *a, const struct timespec *b)
 {
     return (double)(a->tv_sec - b->tv_sec) + (double)(a->tv_nsec - b->tv_nsec) / 1e9;
+}
+
+static int command(PGconn *c, const char *sql)
+{
+    PGresult *r = PQexec(c, sql);
+    int ok = PQresultStatus(r) == PGRES_COMMAND_OK;
+    if (!ok)
+        fprintf(stderr, "emit_rate: %s: %s", sql, PQerrorMessage(c));
+    PQclear(r);
+    return ok;
 }
 
 static void *worker(void *arg)
@@ -67,8 +81,9 @@ static void *worker(void *arg)
     PQclear(r);
     char ibuf[32], sbuf[32];
     snprintf(sbuf, sizeof sbuf, "%ld", nsubs);
-    for (long i = wk->w; i < total; i += conns) {
-        double due = (double)i / rate;
+    long ntx = total / per_tx;
+    for (long t = wk->w; t < ntx && !wk->failed; t += conns) {
+        double due = (double)t * per_tx / rate;
         struct timespec at = t0, now;
         long long ns = (long long)t0.tv_nsec + (long long)(due * 1e9);
         at.tv_sec += (time_t)(ns / 1000000000LL);
@@ -83,17 +98,27 @@ static void *worker(void *arg)
             if (late > 0.005)
                 wk->late5++;
         }
-        snprintf(ibuf, sizeof ibuf, "%ld", i);
-        const char *p[] = {ibuf, run, sbuf};
-        r = PQexecPrepared(c, "emit", 3, p, NULL, NULL, 0);
-        if (PQresultStatus(r) != PGRES_TUPLES_OK) {
-            fprintf(stderr, "emit_rate: idem_emit: %s", PQerrorMessage(c));
+        if (per_tx > 1 && !command(c, "BEGIN")) {
             wk->failed = 1;
-            PQclear(r);
             break;
         }
-        PQclear(r);
-        wk->emitted++;
+        for (long i = t * per_tx; i < (t + 1) * per_tx; i++) {
+            snprintf(ibuf, sizeof ibuf, "%ld", i);
+            const char *p[] = {ibuf, run, sbuf};
+            r = PQexecPrepared(c, "emit", 3, p, NULL, NULL, 0);
+            if (PQresultStatus(r) != PGRES_TUPLES_OK) {
+                fprintf(stderr, "emit_rate: idem_emit: %s", PQerrorMessage(c));
+                wk->failed = 1;
+                PQclear(r);
+                break;
+            }
+            PQclear(r);
+        }
+        if (wk->failed || (per_tx > 1 && !command(c, "COMMIT"))) {
+            wk->failed = 1;
+            break;
+        }
+        wk->emitted += per_tx;
     }
     PQfinish(c);
     return NULL;
@@ -102,7 +127,7 @@ static void *worker(void *arg)
 static void usage(void)
 {
     fprintf(stderr, "usage: emit_rate --run NAME [--rate 1000] [--seconds 5] [--conns 4] "
-                    "[--subscriptions 500]\n");
+                    "[--subscriptions 500] [--per-tx 1]\n");
     exit(2);
 }
 
@@ -122,11 +147,14 @@ int main(int argc, char **argv)
             conns = atoi(v);
         else if (strcmp(a, "--subscriptions") == 0)
             nsubs = atol(v);
+        else if (strcmp(a, "--per-tx") == 0)
+            per_tx = atoi(v);
         else
             usage();
         i++;
     }
-    if (run == NULL || rate <= 0 || seconds <= 0 || conns < 1 || conns > 64 || nsubs < 1)
+    if (run == NULL || rate <= 0 || seconds <= 0 || conns < 1 || conns > 64 || nsubs < 1 ||
+        per_tx < 1 || per_tx > 1000)
         usage();
     conninfo = getenv("IDEM_PG_URL");
     if (conninfo == NULL)
@@ -161,9 +189,10 @@ int main(int argc, char **argv)
     struct timespec end;
     clock_gettime(CLOCK_MONOTONIC, &end);
     double secs = ts_diff(&end, &t0);
-    printf("{\"tool\":\"emit_rate\",\"run\":\"%s\",\"target_rate\":%.1f,\"emitted\":%ld,"
-           "\"seconds\":%.4f,\"achieved_rate\":%.1f,\"max_late_ms\":%.2f,\"late_over_5ms\":%ld}\n",
-           run, rate, emitted, secs, secs > 0 ? (double)emitted / secs : 0.0, max_late, late5);
+    printf(
+        "{\"tool\":\"emit_rate\",\"run\":\"%s\",\"target_rate\":%.1f,\"per_tx\":%d,\"emitted\":%ld,"
+        "\"seconds\":%.4f,\"achieved_rate\":%.1f,\"max_late_ms\":%.2f,\"late_over_5ms\":%ld}\n",
+        run, rate, per_tx, emitted, secs, secs > 0 ? (double)emitted / secs : 0.0, max_late, late5);
     free(wk);
     free(th);
     return failed ? 1 : 0;
