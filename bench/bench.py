@@ -254,6 +254,11 @@ def one(sql, args=None):
 
 
 def truncate(*tables):
+    """Empties tables; with event_outbox also the record of emitted ids (idem_emitted_keys, when
+    the schema has it), so that a run name used before (servers kept with --external) emits
+    afresh instead of collapsing as a replay."""
+    if "event_outbox" in tables and one("SELECT to_regclass('idem_emitted_keys') IS NOT NULL"):
+        tables = tables + ("idem_emitted_keys",)
     q("TRUNCATE " + ", ".join(tables))
 
 
@@ -281,10 +286,11 @@ EMIT_BACKLOG_SQL = """
              WHERE i %% %(parts)s = %(part)s) x"""
 
 
-def emit_backlog(n, run, checkpoint=True):
+def emit_backlog(n, run, checkpoint=True, analyze=True):
     """n pending payment.failed rows through idem_emit. Two transactions at once, on disjoint
     halves of the subscriptions (idem_emit holds a per-subscription lock until commit), when the
-    number of subscriptions is even; else one."""
+    number of subscriptions is even; else one. Then ANALYZE (unless analyze is false: it makes
+    every connection plan its prepared statements again) and CHECKPOINT."""
     t = time.monotonic()
     parts = 2 if A.subscriptions % 2 == 0 else 1
     args = {"run": run, "subs": loadgen.SUBSCRIPTIONS[:A.subscriptions],
@@ -306,7 +312,8 @@ def emit_backlog(n, run, checkpoint=True):
         x.join()
     if errors:
         raise Failure(f"emitting the backlog: {errors[0]}")
-    q("ANALYZE event_outbox")
+    if analyze:
+        q("ANALYZE event_outbox")
     if checkpoint:
         q("CHECKPOINT")
     log(f"emitted {n} pending events ({run}) in {time.monotonic() - t:.1f}s")
@@ -751,7 +758,7 @@ def bulk_load_sent(n):
 
 CLAIM_STATS_SQL = """
     SELECT calls, total_plan_time + total_exec_time, mean_plan_time + mean_exec_time,
-           max_exec_time, rows, query, mean_plan_time, mean_exec_time
+           max_exec_time, rows, query, mean_plan_time, mean_exec_time, plans, total_plan_time
       FROM pg_stat_statements
      WHERE query ILIKE '%event_outbox%' AND query ~* '^\\s*select'
        AND (query ILIKE '%skip locked%' OR query ILIKE '%pg_try_advisory%lock%')
@@ -767,8 +774,9 @@ def claim_stats():
     which errs on the slow side)."""
     rows = q(CLAIM_STATS_SQL)
     stmts = [{"calls": c, "total_ms": t, "mean_ms": m, "mean_plan_ms": mp, "mean_exec_ms": me,
-              "max_exec_ms": mx, "rows": rw, "query": " ".join(q.split())[:600]}
-             for c, t, m, mx, rw, q, mp, me in rows]
+              "max_exec_ms": mx, "rows": rw, "plans": pl, "total_plan_ms": tp,
+              "query": " ".join(q.split())[:600]}
+             for c, t, m, mx, rw, q, mp, me, pl, tp in rows]
     if not stmts:
         raise Failure("no claim statement (SELECT on event_outbox with SKIP LOCKED or "
                       "pg_try_advisory_xact_lock) in pg_stat_statements")
@@ -794,8 +802,10 @@ def client_claim_ms(path, offset):
 def claim_rounds(label, tag):
     """The claim as a running relay does it (warm connection): a relay daemon (debug JSON log)
     drains a warm-up batch; then --rounds times it is paused (SIGSTOP, while idle),
-    --claim-pending rows are emitted, statistics reset, and it is resumed (SIGCONT) to drain
-    them in batches of --batch. Returns the median over the rounds of the cost per claim."""
+    --claim-pending rows are emitted (and ANALYZEd: each connection then plans its prepared
+    statements again at its next claim; the plannings are counted in the log line), statistics
+    reset, and it is resumed (SIGCONT) to drain them in batches of --batch. Returns the median
+    over the rounds of the cost per claim."""
     relay = spawn(idem("--log-level", "debug", "--log-format", "json", "relay", "--batch",
                        str(A.batch)) + shlex.split(A.relay_flags), "relay-claim")
     runs = []
@@ -818,7 +828,9 @@ def claim_rounds(label, tag):
             runs.append(st)
             cm = st["client_claim_ms"]
             log(f"claim ({label}, round {r + 1}): {st['per_batch_ms']:.3f} ms per claim on the "
-                f"server over {st['claims']} claims ({len(st['statements'])} statement(s)); "
+                f"server over {st['claims']} claims ({len(st['statements'])} statement(s), "
+                f"{sum(x['plans'] for x in st['statements'])} plannings taking "
+                f"{sum(x['total_plan_ms'] for x in st['statements']):.2f} ms); "
                 f"the relay's own claim_ms: "
                 f"{statistics.mean(cm) if cm else float('nan'):.1f} over {len(cm)} batches")
     finally:
