@@ -270,7 +270,7 @@ static int ensure_amqp(idem_consumer_t *c, idem_error_t *err)
 static bool ensure_pg(idem_consumer_t *c)
 {
     bool again = false;
-    if (idemp_pg_ensure(c->pg, &again, NULL) != IDEM_OK)
+    if (c->pg == NULL || idemp_pg_ensure(c->pg, &again, NULL) != IDEM_OK)
         return false;
     if (again)
         idemp_metrics_reconnect(c->metrics, IDEMP_SERVER_POSTGRES);
@@ -285,7 +285,7 @@ static int64_t idle_wait(idem_consumer_t *c, bool can_apply, int64_t now)
     if (can_apply) {
         next = idemp_window_next_due(c->win, c->nwin);
     } else {
-        next = now + idemp_pg_retry_in_ms(c->pg);
+        next = now + (c->pg != NULL ? idemp_pg_retry_in_ms(c->pg) : 0);
         if (c->pause_until > next)
             next = c->pause_until;
         if (next <= now)

@@ -121,6 +121,8 @@ static int fence_reached_here(idem_consumer_t *c, const char *fence_id, idem_err
     char arr[48];
     snprintf(arr, sizeof arr, "{%s}", fence_id);
     const char *p[] = {c->consumer, arr};
+    if (c->pg == NULL) /* every connection has a COMMIT on its way: next turn */
+        return idem_error_set(err, IDEM_ERR_PG_LOST, "no PostgreSQL connection free");
     return idemp_pg_exec(c->pg,
                          "INSERT INTO idem_partition_fences (consumer, fence_id) "
                          "SELECT $1, f FROM unnest($2::uuid[]) AS f ON CONFLICT DO NOTHING",

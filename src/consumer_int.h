@@ -72,7 +72,8 @@ struct idem_consumer {
     bool claim_check; /* idem_claim_check exists: batches go in one round trip */
     idem_consumer_config_t cfg;
     idemp_registry_t *reg;
-    /* PostgreSQL: the next transaction runs on pg, one of pgs with no COMMIT on its way, while
+    /* PostgreSQL: the next transaction runs on pg, one of pgs with no COMMIT on its way (NULL
+     * between sending a COMMIT and the next turn when every one has one), while
      * the COMMITs of earlier batches may be on their way on the others (commits; see
      * consumer_tx.c). The others are connected when first needed: under a light load the
      * consumer uses one. */

@@ -743,17 +743,21 @@ void idemp_consumer_wait(idem_consumer_t *c, int64_t ms)
     idemp_amqp_keepalive(c->in);
 }
 
+/* A connection with no COMMIT on its way, or NULL. */
+static idemp_pg_t *free_conn(const idem_consumer_t *c)
+{
+    for (int i = 0; i < IDEMP_CONSUMER_CONNS; i++)
+        if (c->commits[i] == NULL)
+            return c->pgs[i];
+    return NULL;
+}
+
 size_t idemp_consumer_take_conn(idem_consumer_t *c, tx_counts_t *counts)
 {
     size_t settled = 0;
-    for (;;) {
-        for (int i = 0; i < IDEMP_CONSUMER_CONNS; i++)
-            if (c->commits[i] == NULL) {
-                c->pg = c->pgs[i];
-                return settled;
-            }
+    while ((c->pg = free_conn(c)) == NULL)
         settled += idemp_consumer_collect(c, true, counts);
-    }
+    return settled;
 }
 
 void idemp_consumer_forget_inflight(idem_consumer_t *c)
@@ -784,4 +788,5 @@ void idemp_consumer_apply(idem_consumer_t *c, delivery_t **ds, size_t n, tx_coun
             sent->order = ++c->commit_order;
             c->commits[i] = sent;
         }
+    c->pg = free_conn(c); /* nothing else may use the one in flight (NULL: none is free) */
 }
