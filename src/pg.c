@@ -441,6 +441,8 @@ int idemp_pg_exec(idemp_pg_t *pg, const char *sql, int nparams, const char *cons
     if (!idemp_pg_connected(pg))
         return idem_error_set(err, IDEM_ERR_PG_LOST, "not connected to PostgreSQL at %s",
                               pg->where);
+    if (pg->sent) /* a statement queued behind the sync would run outside its transaction */
+        return idem_error_set(err, IDEM_ERR_INVALID, "a pipeline is in flight on %s", pg->where);
     const char *name;
     int rc = idemp_pg_prepared_name(pg, sql, nparams, &name, err);
     if (rc != IDEM_OK)
@@ -462,6 +464,8 @@ int idemp_pg_command(idemp_pg_t *pg, const char *sql, idem_error_t *err)
     if (!idemp_pg_connected(pg))
         return idem_error_set(err, IDEM_ERR_PG_LOST, "not connected to PostgreSQL at %s",
                               pg->where);
+    if (pg->sent)
+        return idem_error_set(err, IDEM_ERR_INVALID, "a pipeline is in flight on %s", pg->where);
     if (pg->pipeline)
         return idemp_pg_pipeline_exec(pg, sql, NULL, 0, NULL, NULL, err);
     idem_error_t e = {0};
