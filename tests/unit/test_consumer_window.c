@@ -186,6 +186,27 @@ static void test_key_includes_the_queue(void **state)
     assert_true(idemp_window_key(&D[2]) == 0);
 }
 
+/* A batch whose COMMIT is on its way: its deliveries are not picked again, hold their
+ * subscriptions' later deliveries (the next batch, on another connection, never shares a
+ * subscription with it), and are not acked. */
+static void test_committing_holds_its_subscription(void **state)
+{
+    (void)state;
+    const char *subs[] = {SUB_A, SUB_B, SUB_A, SUB_B, NULL};
+    size_t n = window(5, subs);
+    D[0].state = D_COMMITTING; /* tag 1, SUB_A */
+    assert_string_equal(picked(n, 10), "2,4,5");
+    D[0].state = D_DONE;
+    assert_string_equal(picked(n, 10), "2,3,4,5");
+    D[0].state = D_COMMITTING;
+    D[1].state = D_DONE;
+    uint64_t multi = 0;
+    size_t single[8];
+    assert_int_equal(idemp_window_ack_plan(W, n, &multi, single), 1);
+    assert_int_equal(multi, 0);
+    assert_int_equal(single[0], 1); /* tag 2 alone: tag 1 still committing */
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -198,6 +219,7 @@ int main(void)
         cmocka_unit_test(test_moved_subscription_holds_only_its_own_queue),
         cmocka_unit_test(test_fence_holds_its_key_behind_it),
         cmocka_unit_test(test_key_includes_the_queue),
+        cmocka_unit_test(test_committing_holds_its_subscription),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
