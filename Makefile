@@ -50,6 +50,7 @@ LIB_SRCS := \
 	src/policy.c \
 	src/event.c \
 	src/consumer.c \
+	src/consumer_claim.c \
 	src/consumer_inbox.c \
 	src/consumer_sql.c \
 	src/consumer_topology.c \

@@ -154,6 +154,24 @@ int64_t idemp_window_next_due(delivery_t *const *win, size_t n);
  * indexes written to single (capacity n), their count returned. */
 size_t idemp_window_ack_plan(delivery_t *const *win, size_t n, uint64_t *multi_tag, size_t *single);
 
+/* ---- consumer_claim.c ---- */
+
+/* SQLSTATE of a one-round-trip batch's claim when an id of the batch is not new. */
+#define IDEMP_SQLSTATE_NOT_ALL_NEW "IDEM1"
+
+/* On pg, in a pipeline just begun: BEGIN, the transaction-local settings and the claim of the
+ * event ids of ds[0..n), in the batch's order. Marks claimed[i], stale[i] (older than the dedup
+ * window by the database's clock) and moved[i] (the partition a delivery's subscription moved
+ * from, for a partitioned group; left -1 otherwise). single: the pipeline is left here, so that
+ * the handler's statements fail one by one. all_new: the claim is only queued, every delivery
+ * marked claimed; it fails the transaction with IDEMP_SQLSTATE_NOT_ALL_NEW unless each is. */
+int idemp_consumer_claim(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size_t n, bool single,
+                         bool all_new, bool *claimed, bool *stale, int *moved, idem_error_t *err);
+/* Records the fences among ds[0..n) as reached (one statement, its own transaction, on c->pg);
+ * they become DONE and the events move to the front of ds. Returns how many events there are
+ * (0 when recording failed: the consumer then pauses and everything goes again). */
+size_t idemp_consumer_record_fences(idem_consumer_t *c, delivery_t **ds, size_t n);
+
 /* ---- consumer_tx.c ---- */
 
 typedef struct tx_counts {

@@ -1,6 +1,7 @@
-/* consumer_tx.c - one transaction over a batch of deliveries: claim the event ids, run the
- * handlers on the same connection, COMMIT; and how every outcome settles under the failure policy
- * (retry, reject, pause). Acks and dead letters happen in consumer.c, after this returns. */
+/* consumer_tx.c - one transaction over a batch of deliveries: claim the event ids
+ * (consumer_claim.c), run the handlers on the same connection, COMMIT, a batch's COMMIT left on
+ * its way while the next batch runs on another connection; and how every outcome settles under
+ * the failure policy (retry, reject, pause). Acks and dead letters happen in consumer.c. */
 #include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -21,78 +22,6 @@
 #define RETRY_MAX_MS 30000
 #define FENCE_POLL_MS 50    /* a moved event looks for its fence this often at first */
 #define FENCE_WARN_MS 30000 /* then says it still waits */
-
-/* Transaction-local, so nothing leaks to other clients of a pooled server connection. */
-#define SQL_SETTINGS                                                                               \
-    "SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true),"      \
-    " set_config('jit', 'off', true)"
-
-/* Claims the ids that are new for the consumer and young enough, by the database's clock, that
- * their ledger rows cannot have been deleted by retention (see consumer.c on the margin); reports
- * the others as stale. Ids are inserted in the batch's order, a stable lock order. */
-#define SQL_CLAIM                                                                                  \
-    "WITH c AS (SELECT e, ts, i FROM unnest($2::uuid[], $3::bigint[]) WITH ORDINALITY AS c(e, "    \
-    "ts, "                                                                                         \
-    "i)), t AS (SELECT floor(extract(epoch FROM clock_timestamp()))::bigint AS now_s), "           \
-    "ins AS (INSERT INTO consumed_events (consumer, event_id) SELECT $1, c.e FROM c, t "           \
-    "WHERE c.ts IS NULL OR t.now_s - c.ts < $4::bigint ORDER BY c.i "                              \
-    "ON CONFLICT DO NOTHING RETURNING event_id) "                                                  \
-    "SELECT event_id::text, 'c' FROM ins UNION ALL "                                               \
-    "SELECT c.e::text, 's' FROM c, t WHERE c.ts IS NOT NULL AND t.now_s - c.ts >= $4::bigint"
-
-/* The claim of a batch whose handlers are queued behind it before its answer is read: as
- * SQL_CLAIM, and unless every id of the batch is claimed, idem_claim_check fails it with SQLSTATE
- * IDEM1 (sql/007_claim_check.sql), and with it the rest of the pipeline and the COMMIT. */
-#define SQL_CLAIM_ALL                                                                              \
-    "WITH c AS (SELECT e, ts, i FROM unnest($2::uuid[], $3::bigint[]) WITH ORDINALITY AS c(e, "    \
-    "ts, i)), t AS (SELECT floor(extract(epoch FROM clock_timestamp()))::bigint AS now_s), "       \
-    "ins AS (INSERT INTO consumed_events (consumer, event_id) SELECT $1, c.e FROM c, t "           \
-    "WHERE c.ts IS NULL OR t.now_s - c.ts < $4::bigint ORDER BY c.i "                              \
-    "ON CONFLICT DO NOTHING RETURNING 1) "                                                         \
-    "SELECT idem_claim_check((SELECT count(*) FROM ins), $5::integer)"
-#define SQLSTATE_NOT_ALL_NEW "IDEM1"
-
-/* The claim of a partitioned group (--partitions > 1), also keeping idem_partition_routes: a
- * delivery whose subscription was last applied from another partition is not claimed but
- * reported moved ('m', with that partition and its place in the batch), unless the fence it waits
- * for has been reached ($7); the others are claimed as above, new subscriptions' routes recorded,
- * moves whose fence was reached recorded, and the fences taken. See
- * sql/006_partition_routes.sql. */
-#define SQL_CLAIM_PARTITIONED                                                                      \
-    "WITH c AS (SELECT e, ts, s, p, f, i FROM unnest($2::uuid[], $3::bigint[], $5::uuid[], "       \
-    "$6::int[], $7::uuid[]) WITH ORDINALITY AS c(e, ts, s, p, f, i)), "                            \
-    "t AS (SELECT floor(extract(epoch FROM clock_timestamp()))::bigint AS now_s), "                \
-    "r AS (SELECT subscription_id, partition FROM idem_partition_routes "                          \
-    "WHERE consumer = $1 AND subscription_id IN (SELECT s FROM c)), "                              \
-    "fr AS (SELECT fence_id FROM idem_partition_fences "                                           \
-    "WHERE consumer = $1 AND fence_id IN (SELECT f FROM c)), "                                     \
-    "m AS (SELECT c.i, r.partition AS was FROM c JOIN r ON r.subscription_id = c.s "               \
-    "WHERE r.partition <> c.p AND (c.f IS NULL OR c.f NOT IN (SELECT fence_id FROM fr))), "        \
-    "ok AS (SELECT * FROM c WHERE c.i NOT IN (SELECT i FROM m)), "                                 \
-    "ins AS (INSERT INTO consumed_events (consumer, event_id) SELECT $1, ok.e FROM ok, t "         \
-    "WHERE ok.ts IS NULL OR t.now_s - ok.ts < $4::bigint ORDER BY ok.i "                           \
-    "ON CONFLICT DO NOTHING RETURNING event_id), "                                                 \
-    "rn AS (INSERT INTO idem_partition_routes (consumer, subscription_id, partition) "             \
-    "SELECT DISTINCT ON (ok.s) $1, ok.s, ok.p FROM ok WHERE ok.s IS NOT NULL "                     \
-    "AND ok.s NOT IN (SELECT subscription_id FROM r) ORDER BY ok.s, ok.i ON CONFLICT DO "          \
-    "NOTHING), "                                                                                   \
-    "rm AS (UPDATE idem_partition_routes x SET partition = ok.p, moved_at = now() "                \
-    "FROM ok JOIN r ON r.subscription_id = ok.s WHERE x.consumer = $1 "                            \
-    "AND x.subscription_id = ok.s AND r.partition <> ok.p), "                                      \
-    "fd AS (DELETE FROM idem_partition_fences WHERE consumer = $1 "                                \
-    "AND fence_id IN (SELECT f FROM ok WHERE f IS NOT NULL)) "                                     \
-    "SELECT event_id::text, 'c', NULL, NULL FROM ins UNION ALL "                                   \
-    "SELECT ok.e::text, 's', NULL, NULL FROM ok, t "                                               \
-    "WHERE ok.ts IS NOT NULL AND t.now_s - ok.ts >= $4::bigint UNION ALL "                         \
-    "SELECT NULL, 'm', m.was::text, m.i::text FROM m"
-
-/* Fences reached: recorded for the consumers waiting for them (see consumer.c); fences nobody
- * took within a day (their waiter went away) are cleared on the way. */
-#define SQL_FENCES_REACHED                                                                         \
-    "WITH old AS (DELETE FROM idem_partition_fences WHERE consumer = $1 "                          \
-    "AND reached_at < now() - interval '1 day') "                                                  \
-    "INSERT INTO idem_partition_fences (consumer, fence_id) "                                      \
-    "SELECT $1, f FROM unnest($2::uuid[]) AS f ON CONFLICT DO NOTHING"
 
 typedef enum { R_OK, R_FALLBACK, R_PAUSE } run_result;
 
@@ -186,106 +115,6 @@ typedef struct attempt {
     int *moved; /* the partition a delivery's subscription moved from, -1 when not moved */
 } attempt_t;
 
-static void build_arrays(delivery_t **ds, size_t n, idemp_pgarray_t *ids, idemp_pgarray_t *tss)
-{
-    idemp_pgarray_init(ids);
-    idemp_pgarray_init(tss);
-    for (size_t i = 0; i < n; i++) {
-        char ts[24];
-        idemp_pgarray_add(ids, ds[i]->ev.event_id);
-        if (ds[i]->ev.has_timestamp)
-            snprintf(ts, sizeof ts, "%lld", (long long)ds[i]->ev.timestamp_s);
-        idemp_pgarray_add(tss, ds[i]->ev.has_timestamp ? ts : NULL);
-    }
-}
-
-/* The partitioned claim's arrays: subscriptions, partitions, awaited fences. */
-static void build_route_arrays(delivery_t **ds, size_t n, idemp_pgarray_t *subs,
-                               idemp_pgarray_t *parts, idemp_pgarray_t *fences)
-{
-    idemp_pgarray_init(subs);
-    idemp_pgarray_init(parts);
-    idemp_pgarray_init(fences);
-    for (size_t i = 0; i < n; i++) {
-        char p[16];
-        snprintf(p, sizeof p, "%d", ds[i]->part);
-        /* a delivery of no known partition (or no subscription) takes no part in routing */
-        bool routed = ds[i]->ev.subscription_id[0] && ds[i]->part >= 0;
-        idemp_pgarray_add(subs, routed ? ds[i]->ev.subscription_id : NULL);
-        idemp_pgarray_add(parts, p);
-        idemp_pgarray_add(fences, ds[i]->fence_id[0] ? ds[i]->fence_id : NULL);
-    }
-}
-
-/* BEGIN, settings and the claim, pipelined in one round trip; marks claimed[] and stale[]. A
- * single delivery leaves pipeline mode here, so that its handler's statements fail one by one
- * (the failure policy needs to know which one failed); a batch stays pipelined. With all_new the
- * claim is only queued, every delivery taken as claimed: it fails the transaction if one is not
- * (SQL_CLAIM_ALL). */
-static int claim(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size_t n, bool single,
-                 bool all_new, attempt_t *a)
-{
-    idemp_pgarray_t ids, tss, subs, parts, fences;
-    bool routed = c->cfg.partitions > 1;
-    build_arrays(ds, n, &ids, &tss);
-    build_route_arrays(ds, routed ? n : 0, &subs, &parts, &fences);
-    const char *ids_s = idemp_pgarray_str(&ids), *tss_s = idemp_pgarray_str(&tss);
-    const char *subs_s = idemp_pgarray_str(&subs), *parts_s = idemp_pgarray_str(&parts),
-               *fences_s = idemp_pgarray_str(&fences);
-    int rc = ids_s && tss_s && subs_s && parts_s && fences_s
-                 ? IDEM_OK
-                 : idem_error_set(&a->err, IDEM_ERR_NOMEM, "out of memory");
-    if (rc == IDEM_OK)
-        rc = idemp_pg_command(pg, "BEGIN", &a->err);
-    if (rc == IDEM_OK) {
-        const char *p[] = {c->settings[0], c->settings[1]};
-        rc = idemp_pg_exec(pg, SQL_SETTINGS, 2, p, NULL, &a->err);
-    }
-    idemp_rows_t *res = NULL;
-    if (rc == IDEM_OK && all_new) {
-        char want[24];
-        snprintf(want, sizeof want, "%zu", n);
-        const char *p[] = {c->consumer, ids_s, tss_s, c->window_s, want};
-        rc = idemp_pg_exec(pg, SQL_CLAIM_ALL, 5, p, NULL, &a->err);
-        for (size_t i = 0; i < n; i++)
-            a->claimed[i] = true;
-    } else if (rc == IDEM_OK) {
-        const char *p[] = {c->consumer, ids_s, tss_s, c->window_s, subs_s, parts_s, fences_s};
-        const char *sql = routed ? SQL_CLAIM_PARTITIONED : SQL_CLAIM;
-        int np = routed ? 7 : 4;
-        rc = single ? idemp_pg_pipeline_finish(pg, sql, np, p, &res, &a->err)
-                    : idemp_pg_exec(pg, sql, np, p, &res, &a->err);
-    }
-    for (int r = 0; rc == IDEM_OK && r < idemp_rows_count(res); r++) {
-        char kind = idemp_rows_get(res, r, 1)[0];
-        if (kind == 'm') {
-            long i = strtol(idemp_rows_get(res, r, 3), NULL, 10);
-            if (i >= 1 && (size_t)i <= n)
-                a->moved[i - 1] = (int)strtol(idemp_rows_get(res, r, 2), NULL, 10);
-            continue;
-        }
-        const char *id = idemp_rows_get(res, r, 0);
-        bool is_stale = kind == 's';
-        for (size_t i = 0; i < n; i++) {
-            if (memcmp(ds[i]->ev.event_id, id, 36) != 0)
-                continue;
-            if (is_stale) {
-                a->stale[i] = true; /* every delivery of that id */
-            } else if (!a->claimed[i]) {
-                a->claimed[i] = true; /* a repeat of an id in the same batch stays unclaimed */
-                break;
-            }
-        }
-    }
-    idemp_rows_free(res);
-    idemp_pgarray_free(&ids);
-    idemp_pgarray_free(&tss);
-    idemp_pgarray_free(&subs);
-    idemp_pgarray_free(&parts);
-    idemp_pgarray_free(&fences);
-    return rc;
-}
-
 /* Runs the handlers of the claimed deliveries; stops at the first failure. */
 static int handle(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size_t n, attempt_t *a)
 {
@@ -319,8 +148,8 @@ static int handle(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size_t n,
 /* Did the claim of a batch tried as all new find an id that is not? */
 static bool not_all_new(const attempt_t *a)
 {
-    return strcmp(a->err.sqlstate, SQLSTATE_NOT_ALL_NEW) == 0 ||
-           strcmp(a->sqlstate, SQLSTATE_NOT_ALL_NEW) == 0;
+    return strcmp(a->err.sqlstate, IDEMP_SQLSTATE_NOT_ALL_NEW) == 0 ||
+           strcmp(a->sqlstate, IDEMP_SQLSTATE_NOT_ALL_NEW) == 0;
 }
 
 /* One transaction over ds[0..n): all or nothing. With all_new, a batch goes in one round trip,
@@ -333,7 +162,8 @@ static void attempt(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size_t 
     a->at = AT_CLAIM;
     a->rc = idemp_pg_pipeline_begin(pg, &a->err);
     if (a->rc == IDEM_OK)
-        a->rc = claim(c, pg, ds, n, single, all_new, a);
+        a->rc = idemp_consumer_claim(c, pg, ds, n, single, all_new, a->claimed, a->stale, a->moved,
+                                     &a->err);
     if (a->rc == IDEM_OK) {
         a->at = AT_HANDLER;
         a->rc = handle(c, pg, ds, n, a);
@@ -538,51 +368,6 @@ static int by_subscription(const void *x, const void *y)
     return a->tag < b->tag ? -1 : a->tag > b->tag;
 }
 
-/* The fences among ds[0..n) are recorded as reached (one statement, its own transaction) and
- * become DONE; the events are moved to the front of ds. Returns how many events there are (0
- * when recording failed: the consumer then pauses and everything goes again). */
-static size_t record_fences(idem_consumer_t *c, delivery_t **ds, size_t n)
-{
-    idemp_pgarray_t ids;
-    idemp_pgarray_init(&ids);
-    size_t fences = 0;
-    for (size_t i = 0; i < n; i++)
-        if (ds[i]->fence) {
-            idemp_pgarray_add(&ids, ds[i]->fence_id);
-            fences++;
-        }
-    if (fences > 0) {
-        const char *ids_s = idemp_pgarray_str(&ids);
-        idem_error_t err = {0};
-        int rc = ids_s ? IDEM_OK : idem_error_set(&err, IDEM_ERR_NOMEM, "out of memory");
-        if (rc == IDEM_OK) {
-            const char *p[] = {c->consumer, ids_s};
-            rc = idemp_pg_exec(c->pg, SQL_FENCES_REACHED, 2, p, NULL, &err);
-        }
-        idemp_pgarray_free(&ids);
-        if (rc != IDEM_OK) {
-            const char *st = !idemp_pg_connected(c->pg) ? "08006"
-                             : err.sqlstate[0]          ? err.sqlstate
-                                                        : "XX000";
-            idemp_consumer_pause(c, st, err.text);
-            return 0;
-        }
-    } else {
-        idemp_pgarray_free(&ids);
-    }
-    size_t events = 0;
-    for (size_t i = 0; i < n; i++) {
-        delivery_t *d = ds[i];
-        if (d->fence) {
-            d->state = D_DONE;
-            idemp_consumer_log(IDEM_LOG_DEBUG, c, d, "fence %s reached", d->fence_id);
-        } else {
-            ds[events++] = d;
-        }
-    }
-    return events;
-}
-
 /* A batch whose COMMIT is on its way: its connection, its deliveries (in the window) and what its
  * claim found. */
 struct idemp_commit {
@@ -775,7 +560,7 @@ void idemp_consumer_forget_inflight(idem_consumer_t *c)
 void idemp_consumer_apply(idem_consumer_t *c, delivery_t **ds, size_t n, tx_counts_t *counts)
 {
     struct idemp_commit *sent = NULL;
-    n = record_fences(c, ds, n);
+    n = idemp_consumer_record_fences(c, ds, n);
     if (n == 0)
         return;
     qsort(ds, n, sizeof *ds, by_subscription);

@@ -22,18 +22,23 @@ __all__ = ["relay_daemons"]
 TYPE = "payment.failed"
 
 
-def test_table_lock_granted_while_relays_busy(db, servers, queues, broker, relay_daemons):
+def backlog(db, queues, broker, n=30_000):
+    """A queue bound to TYPE, and n pending rows over 300 subscriptions (so that the batches in
+    flight and the claims overlap all the time); returns (queue, n)."""
     q = queues.new()
     with broker.channel() as ch:
         broker.declare_exchange(ch)
         ch.queue_declare(queue=q, durable=False)
         ch.queue_bind(queue=q, exchange="billing.events", routing_key=TYPE)
-    n = 30_000
-    # 300 subscriptions, so that the batches in flight and the claims overlap all the time
     db.execute("INSERT INTO event_outbox (event_id, subscription_id, event_type, payload)"
                " SELECT gen_random_uuid(), ('00000000-0000-4000-8000-' || lpad((i %% 300)::text,"
                " 12, '0'))::uuid, %s, jsonb_build_object('n', i)"
                " FROM generate_series(1, %s) AS i", TYPE, n)
+    return q, n
+
+
+def test_table_lock_granted_while_relays_busy(db, servers, queues, broker, relay_daemons):
+    q, n = backlog(db, queues, broker)
     relays = [relay_daemons(["--lock-timeout", "30s", "--batch", "50"], name=f"relay{i}")
               for i in (1, 2)]
     wait_until(lambda: sum(r.sent() for r in relays) > 2000, 30, 0.01, "the relays publishing")
@@ -69,16 +74,7 @@ def test_table_lock_granted_while_the_backlog_gauge_waits(db, servers, queues, b
     relay's confirms back (a memory alarm) while LOCK TABLE queues behind its batches in flight
     for 2.5 s (gauge reads queue behind the request); once the alarm clears, the lock must be
     granted within seconds, not at its own timeout."""
-    q = queues.new()
-    with broker.channel() as ch:
-        broker.declare_exchange(ch)
-        ch.queue_declare(queue=q, durable=False)
-        ch.queue_bind(queue=q, exchange="billing.events", routing_key=TYPE)
-    n = 30_000
-    db.execute("INSERT INTO event_outbox (event_id, subscription_id, event_type, payload)"
-               " SELECT gen_random_uuid(), ('00000000-0000-4000-8000-' || lpad((i %% 300)::text,"
-               " 12, '0'))::uuid, %s, jsonb_build_object('n', i)"
-               " FROM generate_series(1, %s) AS i", TYPE, n)
+    q, n = backlog(db, queues, broker)
     relay = relay_daemons(["--lock-timeout", "30s", "--batch", "50", "--metrics-port",
                            str(free_port())])
     wait_until(lambda: relay.sent() > 2000, 30, 0.01, "the relay publishing")
