@@ -257,7 +257,8 @@ def truncate(*tables):
     """Empties tables; with event_outbox also the record of emitted ids (idem_emitted_keys, when
     the schema has it), so that a run name used before (servers kept with --external) emits
     afresh instead of collapsing as a replay."""
-    if "event_outbox" in tables and one("SELECT to_regclass('idem_emitted_keys') IS NOT NULL"):
+    if ("event_outbox" in tables and "idem_emitted_keys" not in tables
+            and one("SELECT to_regclass('idem_emitted_keys') IS NOT NULL")):
         tables = tables + ("idem_emitted_keys",)
     q("TRUNCATE " + ", ".join(tables))
 
@@ -286,11 +287,11 @@ EMIT_BACKLOG_SQL = """
              WHERE i %% %(parts)s = %(part)s) x"""
 
 
-def emit_backlog(n, run, checkpoint=True, analyze=True):
+def emit_backlog(n, run, checkpoint=True):
     """n pending payment.failed rows through idem_emit. Two transactions at once, on disjoint
     halves of the subscriptions (idem_emit holds a per-subscription lock until commit), when the
-    number of subscriptions is even; else one. Then ANALYZE (unless analyze is false: it makes
-    every connection plan its prepared statements again) and CHECKPOINT."""
+    number of subscriptions is even; else one. Then ANALYZE (every relay connection then plans
+    its prepared statements again) and CHECKPOINT."""
     t = time.monotonic()
     parts = 2 if A.subscriptions % 2 == 0 else 1
     args = {"run": run, "subs": loadgen.SUBSCRIPTIONS[:A.subscriptions],
@@ -312,8 +313,7 @@ def emit_backlog(n, run, checkpoint=True, analyze=True):
         x.join()
     if errors:
         raise Failure(f"emitting the backlog: {errors[0]}")
-    if analyze:
-        q("ANALYZE event_outbox")
+    q("ANALYZE event_outbox")
     if checkpoint:
         q("CHECKPOINT")
     log(f"emitted {n} pending events ({run}) in {time.monotonic() - t:.1f}s")

@@ -152,6 +152,20 @@ static bool not_all_new(const attempt_t *a)
            strcmp(a->sqlstate, IDEMP_SQLSTATE_NOT_ALL_NEW) == 0;
 }
 
+/* The end of a try: committed (AT_NONE, past the fault seam between COMMIT and ack), or rolled
+ * back, and then AT_NOT_NEW if all_new and the claim found an id that is not new. */
+static void finished(idemp_pg_t *pg, attempt_t *a, bool all_new)
+{
+    if (a->rc == IDEM_OK) {
+        a->at = AT_NONE;
+        idemp_fault_point("consumer.after_commit");
+        return;
+    }
+    idemp_pg_rollback(pg);
+    if (all_new && a->rc != IDEM_ERR_PG_LOST && idemp_pg_connected(pg) && not_all_new(a))
+        a->at = AT_NOT_NEW;
+}
+
 /* One transaction over ds[0..n): all or nothing. With all_new, a batch goes in one round trip,
  * its handlers queued behind a claim that fails it unless every id is new (SQL_CLAIM_ALL). With
  * may_send, a batch still pipelined when its handlers are done sends its COMMIT and returns at
@@ -182,15 +196,8 @@ static void attempt(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size_t 
         } else {
             a->rc = idemp_pg_commit(pg, &a->err);
         }
-        if (a->rc == IDEM_OK) {
-            a->at = AT_NONE;
-            idemp_fault_point("consumer.after_commit");
-            return;
-        }
     }
-    idemp_pg_rollback(pg);
-    if (all_new && a->rc != IDEM_ERR_PG_LOST && idemp_pg_connected(pg) && not_all_new(a))
-        a->at = AT_NOT_NEW;
+    finished(pg, a, all_new);
 }
 
 /* The outcome of a COMMIT sent by attempt, if it has arrived (false: not yet; wait: until it
@@ -208,15 +215,9 @@ static bool commit_outcome(idem_consumer_t *c, idemp_pg_t *pg, attempt_t *a, boo
         poll(&pfd, 1, 200);
         idemp_amqp_keepalive(c->in);
     }
-    if (a->rc == IDEM_OK) {
-        a->at = AT_NONE;
-        idemp_fault_point("consumer.after_commit");
-        return true;
-    }
-    a->at = AT_COMMIT; /* a handler's statement, or the COMMIT itself */
-    idemp_pg_rollback(pg);
-    if (a->rc != IDEM_ERR_PG_LOST && idemp_pg_connected(pg) && not_all_new(a))
-        a->at = AT_NOT_NEW;
+    if (a->rc != IDEM_OK)
+        a->at = AT_COMMIT; /* a handler's statement, or the COMMIT itself */
+    finished(pg, a, true);
     return true;
 }
 
