@@ -104,16 +104,6 @@ static bool valid_config(const idem_consumer_config_t *cfg, idem_error_t *err)
     return true;
 }
 
-/* The window the claim checks, in whole seconds: the dedup window less a safety margin (1% of
- * it, between 1 s and 60 s) for clock and ordering slack between the claim and retention. */
-static void window_seconds(int64_t window_ms, char *out, size_t sz)
-{
-    int64_t w = window_ms / 1000;
-    int64_t margin = w / 100;
-    margin = margin < 1 ? 1 : margin > 60 ? 60 : margin;
-    snprintf(out, sz, "%lld", (long long)(w - margin > 0 ? w - margin : 0));
-}
-
 idem_consumer_t *idem_consumer_new(const idem_consumer_config_t *cfg, idem_error_t *err)
 {
     if (!valid_config(cfg, err))
@@ -169,7 +159,7 @@ idem_consumer_t *idem_consumer_new(const idem_consumer_config_t *cfg, idem_error
     c->cfg.amqp_password = NULL;
     snprintf(c->settings[0], sizeof c->settings[0], "%lld", (long long)cfg->lock_timeout_ms);
     snprintf(c->settings[1], sizeof c->settings[1], "%lld", (long long)cfg->statement_timeout_ms);
-    window_seconds(cfg->dedup_window_ms, c->window_s, sizeof c->window_s);
+    snprintf(c->window_ms, sizeof c->window_ms, "%lld", (long long)cfg->dedup_window_ms);
     idemp_backoff_init(&c->pause_backoff, PAUSE_BASE_MS, PAUSE_MAX_MS);
     return c;
 nomem:
@@ -215,6 +205,7 @@ void idem_consumer_free(idem_consumer_t *c)
     free(c->dlq);
     free(c->dlx);
     free(c->hash_exchange);
+    free(c->claim_commit_sql);
     free(c->queue_part);
     free(c->pg_conninfo);
     free(c->amqp_url);

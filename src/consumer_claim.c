@@ -8,32 +8,42 @@
 
 #include "consumer_int.h"
 
-/* Transaction-local, so nothing leaks to other clients of a pooled server connection. */
+/* The claim's transaction begins here. Its settings are transaction-local, so nothing leaks to
+ * other clients of a pooled server connection: synchronous_commit on (the ack follows a COMMIT
+ * that is durable whatever the server's or the session's default; remote_apply is kept), and the
+ * marks that idem_claim_commit checks before the runtime's COMMIT (sql/008_claim_guard.sql). The
+ * upsert of idem_claim_guard arms the deferred trigger that refuses any other COMMIT of this
+ * transaction, such as a handler's own. */
 #define SQL_SETTINGS                                                                               \
+    "WITH g AS (INSERT INTO idem_claim_guard AS g (pid) VALUES (pg_backend_pid()) "                \
+    "ON CONFLICT (pid) DO UPDATE SET uses = g.uses + 1) "                                          \
     "SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true),"      \
-    " set_config('jit', 'off', true)"
+    " set_config('jit', 'off', true), set_config('synchronous_commit', "                           \
+    "CASE current_setting('synchronous_commit') WHEN 'remote_apply' THEN 'remote_apply' "          \
+    "ELSE 'on' END, true), set_config('idem.claim', 'on', true), "                                 \
+    "set_config('idem.search_path', current_setting('search_path'), true)"
 
-/* Claims the ids that are new for the consumer and young enough, by the database's clock, that
- * their ledger rows cannot have been deleted by retention (see consumer.c on the margin); reports
- * the others as stale. Ids are inserted in the batch's order, a stable lock order. */
+/* Claims the ids that are new for the consumer and not stale by the one stale rule
+ * (idem_stale_before, sql/008_claim_guard.sql: by the database's clock, $4 the dedup window in
+ * ms), so that their ledger rows cannot have been deleted by retention; reports the stale ones.
+ * Ids are inserted in the batch's order, a stable lock order. */
 #define SQL_CLAIM                                                                                  \
     "WITH c AS (SELECT e, ts, i FROM unnest($2::uuid[], $3::bigint[]) WITH ORDINALITY AS c(e, "    \
-    "ts, "                                                                                         \
-    "i)), t AS (SELECT floor(extract(epoch FROM clock_timestamp()))::bigint AS now_s), "           \
+    "ts, i)), t AS (SELECT idem_stale_before($4::bigint) AS cut), "                                \
     "ins AS (INSERT INTO consumed_events (consumer, event_id) SELECT $1, c.e FROM c, t "           \
-    "WHERE c.ts IS NULL OR t.now_s - c.ts < $4::bigint ORDER BY c.i "                              \
+    "WHERE c.ts IS NULL OR c.ts >= t.cut ORDER BY c.i "                                            \
     "ON CONFLICT DO NOTHING RETURNING event_id) "                                                  \
     "SELECT event_id::text, 'c' FROM ins UNION ALL "                                               \
-    "SELECT c.e::text, 's' FROM c, t WHERE c.ts IS NOT NULL AND t.now_s - c.ts >= $4::bigint"
+    "SELECT c.e::text, 's' FROM c, t WHERE c.ts IS NOT NULL AND c.ts < t.cut"
 
 /* The claim of a batch whose handlers are queued behind it before its answer is read: as
  * SQL_CLAIM, and unless every id of the batch is claimed, idem_claim_check fails it with SQLSTATE
  * IDEM1 (sql/007_claim_check.sql), and with it the rest of the pipeline and the COMMIT. */
 #define SQL_CLAIM_ALL                                                                              \
     "WITH c AS (SELECT e, ts, i FROM unnest($2::uuid[], $3::bigint[]) WITH ORDINALITY AS c(e, "    \
-    "ts, i)), t AS (SELECT floor(extract(epoch FROM clock_timestamp()))::bigint AS now_s), "       \
+    "ts, i)), t AS (SELECT idem_stale_before($4::bigint) AS cut), "                                \
     "ins AS (INSERT INTO consumed_events (consumer, event_id) SELECT $1, c.e FROM c, t "           \
-    "WHERE c.ts IS NULL OR t.now_s - c.ts < $4::bigint ORDER BY c.i "                              \
+    "WHERE c.ts IS NULL OR c.ts >= t.cut ORDER BY c.i "                                            \
     "ON CONFLICT DO NOTHING RETURNING 1) "                                                         \
     "SELECT idem_claim_check((SELECT count(*) FROM ins), $5::integer)"
 
@@ -46,7 +56,7 @@
 #define SQL_CLAIM_PARTITIONED                                                                      \
     "WITH c AS (SELECT e, ts, s, p, f, i FROM unnest($2::uuid[], $3::bigint[], $5::uuid[], "       \
     "$6::int[], $7::uuid[]) WITH ORDINALITY AS c(e, ts, s, p, f, i)), "                            \
-    "t AS (SELECT floor(extract(epoch FROM clock_timestamp()))::bigint AS now_s), "                \
+    "t AS (SELECT idem_stale_before($4::bigint) AS cut), "                                         \
     "r AS (SELECT subscription_id, partition FROM idem_partition_routes "                          \
     "WHERE consumer = $1 AND subscription_id IN (SELECT s FROM c)), "                              \
     "fr AS (SELECT fence_id FROM idem_partition_fences "                                           \
@@ -55,7 +65,7 @@
     "WHERE r.partition <> c.p AND (c.f IS NULL OR c.f NOT IN (SELECT fence_id FROM fr))), "        \
     "ok AS (SELECT * FROM c WHERE c.i NOT IN (SELECT i FROM m)), "                                 \
     "ins AS (INSERT INTO consumed_events (consumer, event_id) SELECT $1, ok.e FROM ok, t "         \
-    "WHERE ok.ts IS NULL OR t.now_s - ok.ts < $4::bigint ORDER BY ok.i "                           \
+    "WHERE ok.ts IS NULL OR ok.ts >= t.cut ORDER BY ok.i "                                         \
     "ON CONFLICT DO NOTHING RETURNING event_id), "                                                 \
     "rn AS (INSERT INTO idem_partition_routes (consumer, subscription_id, partition) "             \
     "SELECT DISTINCT ON (ok.s) $1, ok.s, ok.p FROM ok WHERE ok.s IS NOT NULL "                     \
@@ -68,7 +78,7 @@
     "AND fence_id IN (SELECT f FROM ok WHERE f IS NOT NULL)) "                                     \
     "SELECT event_id::text, 'c', NULL, NULL FROM ins UNION ALL "                                   \
     "SELECT ok.e::text, 's', NULL, NULL FROM ok, t "                                               \
-    "WHERE ok.ts IS NOT NULL AND t.now_s - ok.ts >= $4::bigint UNION ALL "                         \
+    "WHERE ok.ts IS NOT NULL AND ok.ts < t.cut UNION ALL "                                         \
     "SELECT NULL, 'm', m.was::text, m.i::text FROM m"
 
 /* Fences reached: recorded for the consumers waiting for them (see consumer.c); fences nobody
@@ -138,12 +148,12 @@ int idemp_consumer_claim(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, si
     if (rc == IDEM_OK && all_new) {
         char want[24];
         snprintf(want, sizeof want, "%zu", n);
-        const char *p[] = {c->consumer, ids_s, tss_s, c->window_s, want};
+        const char *p[] = {c->consumer, ids_s, tss_s, c->window_ms, want};
         rc = idemp_pg_exec(pg, SQL_CLAIM_ALL, 5, p, NULL, err);
         for (size_t i = 0; i < n; i++)
             claimed[i] = true;
     } else if (rc == IDEM_OK) {
-        const char *p[] = {c->consumer, ids_s, tss_s, c->window_s, subs_s, parts_s, fences_s};
+        const char *p[] = {c->consumer, ids_s, tss_s, c->window_ms, subs_s, parts_s, fences_s};
         const char *sql = routed ? SQL_CLAIM_PARTITIONED : SQL_CLAIM;
         int np = routed ? 7 : 4;
         rc = single ? idemp_pg_pipeline_finish(pg, sql, np, p, &res, err)

@@ -70,6 +70,11 @@ struct idem_consumer {
     size_t nsql_handlers;
     bool sql_checked; /* the SQL handlers' functions were found */
     bool claim_check; /* idem_claim_check exists: batches go in one round trip */
+    /* Runs right before the runtime's COMMIT (sql/008_claim_guard.sql): fails with SQLSTATE IDEM2
+     * when a handler ended the claim's transaction or changed a setting the runtime relies on, and
+     * otherwise arms the COMMIT (any other COMMIT of a claim's transaction is refused). Qualified
+     * with the schema found at start, so that a handler's search_path cannot hide it. */
+    char *claim_commit_sql;
     idem_consumer_config_t cfg;
     idemp_registry_t *reg;
     /* PostgreSQL: the next transaction runs on pg, one of pgs with no COMMIT on its way (NULL
@@ -85,7 +90,7 @@ struct idem_consumer {
     idemp_amqp_t *out; /* dead-letter publishing connection (confirms) */
     idemp_metrics_t *metrics;
     char settings[2][24]; /* lock_timeout, statement_timeout for set_config, in ms */
-    char window_s[24];    /* the dedup window less its safety margin, in seconds */
+    char window_ms[24];   /* the dedup window, in ms (the claim's stale rule) */
 
     delivery_t **win; /* deliveries in hand, in delivery-tag order */
     size_t nwin, capwin;

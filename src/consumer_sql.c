@@ -10,6 +10,12 @@
 #include "event.h"
 
 #define SQL_FUNCTION_EXISTS "SELECT to_regprocedure($1) IS NOT NULL"
+/* Executable, and the schema it lives in. */
+#define SQL_FUNCTION_SCHEMA                                                                        \
+    "SELECT coalesce(has_function_privilege(to_regprocedure($1), 'EXECUTE'), false), "             \
+    "(SELECT pg_catalog.quote_ident(n.nspname) FROM pg_catalog.pg_proc p JOIN "                    \
+    "pg_catalog.pg_namespace n "                                                                   \
+    "ON n.oid = p.pronamespace WHERE p.oid = to_regprocedure($1))"
 #define SQL_FUNCTION_USABLE                                                                        \
     "SELECT coalesce(has_function_privilege(to_regprocedure($1), 'EXECUTE'), false)"
 
@@ -81,6 +87,33 @@ int idem_consumer_register_sql(idem_consumer_t *c, const char *event_type, const
 int idemp_consumer_check_sql(idem_consumer_t *c, idem_error_t *err)
 {
     idemp_rows_t *res = NULL;
+    /* the claim's guard and stale rule (sql/008_claim_guard.sql): nothing is claimed without */
+    static const char *const needed[] = {"idem_claim_commit(text)", "idem_stale_before(bigint)"};
+    for (size_t i = 0; i < sizeof needed / sizeof needed[0]; i++) {
+        const char *np[] = {needed[i]};
+        int rc = idemp_pg_exec(c->pg, SQL_FUNCTION_SCHEMA, 1, np, &res, err);
+        if (rc != IDEM_OK)
+            return rc;
+        bool ok = idemp_rows_count(res) == 1 && idemp_rows_get(res, 0, 0)[0] == 't';
+        if (ok && i == 0 && c->claim_commit_sql == NULL) {
+            static const char fmt[] =
+                "SELECT %s.idem_claim_commit(pg_catalog.current_setting('search_path'))";
+            const char *schema = idemp_rows_get(res, 0, 1);
+            size_t n = sizeof fmt + strlen(schema);
+            if ((c->claim_commit_sql = malloc(n)) != NULL)
+                snprintf(c->claim_commit_sql, n, fmt, schema);
+            if (c->claim_commit_sql == NULL) {
+                idemp_rows_free(res);
+                return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+            }
+        }
+        idemp_rows_free(res);
+        if (!ok)
+            return idem_error_set(err, IDEM_ERR_NOT_FOUND,
+                                  "the database is not migrated for this version of idem "
+                                  "(function %s is missing or not executable): run idem migrate",
+                                  needed[i]);
+    }
     const char *cp[] = {"idem_claim_check(bigint,integer)"};
     int rc = idemp_pg_exec(c->pg, SQL_FUNCTION_USABLE, 1, cp, &res, err);
     if (rc != IDEM_OK)

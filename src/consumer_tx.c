@@ -132,6 +132,18 @@ static int handle(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size_t n,
         if (ev.pg_lost || !idemp_pg_connected(pg))
             return idem_error_set(&a->err, IDEM_ERR_PG_LOST, "connection lost in a handler: %s",
                                   ev.detail);
+        if (idemp_pg_tx_ended(pg)) {
+            /* it ran COMMIT (refused by sql/008's guard) or ROLLBACK itself: its claim and its
+             * batch-mates' work are gone; rejected, whatever it returned */
+            a->failed = d;
+            a->outcome = IDEM_REJECT;
+            snprintf(a->sqlstate, sizeof a->sqlstate, "%s", ev.sqlstate[0] ? ev.sqlstate : "2D000");
+            snprintf(d->detail, sizeof d->detail,
+                     "the handler ended the claim's transaction itself (COMMIT or ROLLBACK on its "
+                     "connection; nothing of it committed)%s%.300s",
+                     ev.failed ? ": " : "", ev.failed ? ev.detail : "");
+            return IDEM_ERR_PG_QUERY;
+        }
         /* a statement that failed through idem_event_exec decides, whatever the handler says */
         if (o != IDEM_DONE || ev.sqlstate[0] != '\0') {
             a->failed = d;
@@ -186,7 +198,9 @@ static void attempt(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size_t 
         a->at = AT_COMMIT;
         idemp_fault_point("consumer.before_commit");
         if (may_send && !single && idemp_pg_pipeline_open(pg)) {
-            a->rc = idemp_pg_queue_commit(pg, &a->err);
+            a->rc = idemp_pg_exec(pg, c->claim_commit_sql, 0, NULL, NULL, &a->err);
+            if (a->rc == IDEM_OK)
+                a->rc = idemp_pg_queue_commit(pg, &a->err);
             if (a->rc == IDEM_OK)
                 a->rc = idemp_pg_pipeline_send(pg, &a->err);
             if (a->rc == IDEM_OK) {
@@ -194,7 +208,7 @@ static void attempt(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size_t 
                 return;
             }
         } else {
-            a->rc = idemp_pg_commit(pg, &a->err);
+            a->rc = idemp_pg_commit(pg, c->claim_commit_sql, &a->err);
         }
     }
     finished(pg, a, all_new);
@@ -289,9 +303,9 @@ static run_result settle(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, si
             if (a->stale[i]) {
                 d->dl_code = IDEMP_DL_STALE;
                 snprintf(d->detail, sizeof d->detail,
-                         "timestamp %lld is older than the dedup window of %s s less its safety "
-                         "margin, by the database clock",
-                         (long long)d->ev.timestamp_s, c->window_s);
+                         "timestamp %lld is older than the dedup window of %lld s, by the "
+                         "database clock",
+                         (long long)d->ev.timestamp_s, (long long)(c->cfg.dedup_window_ms / 1000));
                 d->state = D_DEAD;
             } else {
                 d->state = D_DONE;

@@ -483,14 +483,22 @@ bool idemp_pg_in_transaction(const idemp_pg_t *pg)
     return t == PQTRANS_INTRANS || t == PQTRANS_INERROR || t == PQTRANS_ACTIVE;
 }
 
-int idemp_pg_commit(idemp_pg_t *pg, idem_error_t *err)
+bool idemp_pg_tx_ended(const idemp_pg_t *pg)
+{
+    return idemp_pg_connected(pg) && !pg->pipeline && !pg->sent &&
+           PQtransactionStatus(pg->conn) == PQTRANS_IDLE;
+}
+
+int idemp_pg_commit(idemp_pg_t *pg, const char *before, idem_error_t *err)
 {
     if (!idemp_pg_connected(pg))
         return idem_error_set(err, IDEM_ERR_PG_LOST, "not connected to PostgreSQL at %s",
                               pg->where);
     int rc;
     if (pg->pipeline) {
-        rc = idemp_pg_pipeline_exec(pg, "COMMIT", NULL, 0, NULL, NULL, err);
+        rc = before != NULL ? idemp_pg_exec(pg, before, 0, NULL, NULL, err) : IDEM_OK;
+        if (rc == IDEM_OK)
+            rc = idemp_pg_pipeline_exec(pg, "COMMIT", NULL, 0, NULL, NULL, err);
         if (rc == IDEM_OK)
             rc = idemp_pg_pipeline_end(pg, err); /* the COMMIT's outcome is known here */
     } else {
@@ -504,6 +512,8 @@ int idemp_pg_commit(idemp_pg_t *pg, idem_error_t *err)
                                   "COMMIT refused: the transaction was aborted by an earlier "
                                   "failed statement (was an error ignored?)");
         }
+        if (rc == IDEM_OK && before != NULL)
+            rc = idemp_pg_exec(pg, before, 0, NULL, NULL, err);
         if (rc == IDEM_OK)
             rc = idemp_pg_command(pg, "COMMIT", err);
     }

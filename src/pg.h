@@ -61,13 +61,18 @@ int idemp_pg_command(idemp_pg_t *pg, const char *sql, idem_error_t *err);
 
 /* COMMIT, checked: a transaction that an earlier statement aborted is rolled back and reported as
  * IDEM_ERR_PG_ROLLBACK (PostgreSQL answers such a COMMIT with the tag ROLLBACK, not an error).
- * In pipeline mode the COMMIT is queued and the pipeline ended here. IDEM_ERR_PG_LOST: the
- * outcome is unknown. */
-int idemp_pg_commit(idemp_pg_t *pg, idem_error_t *err);
+ * before (NULL for none): a statement without parameters run right before the COMMIT, in the
+ * same transaction, once every earlier statement is known to have succeeded; its failure is
+ * reported and nothing is committed. In pipeline mode both are queued and the pipeline ended
+ * here. IDEM_ERR_PG_LOST: the outcome is unknown. */
+int idemp_pg_commit(idemp_pg_t *pg, const char *before, idem_error_t *err);
 /* ROLLBACK if a transaction is open (also ends a pipeline first, waiting for a sent one to be
  * answered); errors are only logged. */
 void idemp_pg_rollback(idemp_pg_t *pg);
 bool idemp_pg_in_transaction(const idemp_pg_t *pg);
+/* Outside pipeline mode, connected, and no transaction open: whoever had the connection ended the
+ * transaction (false while pipelining: the status is not known there). */
+bool idemp_pg_tx_ended(const idemp_pg_t *pg);
 
 /* Pipeline mode (libpq 14+): between begin and end, idemp_pg_exec and idemp_pg_command queue
  * their statement and return IDEM_OK at once unless the caller asks for rows (out), in which

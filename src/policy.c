@@ -23,8 +23,10 @@ idemp_policy idemp_policy_for_handler(const char *sqlstate)
         return IDEMP_POLICY_PAUSE;
     if (transient(sqlstate))
         return IDEMP_POLICY_RETRY;
+    /* bad data, a constraint, the handler ending the transaction (2D), its own PL/pgSQL
+     * (P0001 RAISE, P0002/P0003 SELECT ... INTO STRICT, P0004 ASSERT) */
     if (strncmp(sqlstate, "22", 2) == 0 || strncmp(sqlstate, "23", 2) == 0 ||
-        strcmp(sqlstate, "P0001") == 0)
+        strncmp(sqlstate, "2D", 2) == 0 || strncmp(sqlstate, "P0", 2) == 0)
         return IDEMP_POLICY_REJECT;
     return IDEMP_POLICY_PAUSE;
 }
@@ -35,7 +37,9 @@ idemp_policy idemp_policy_for_commit(const char *sqlstate)
         return IDEMP_POLICY_PAUSE;
     if (strcmp(sqlstate, "40001") == 0 || strcmp(sqlstate, "40P01") == 0)
         return IDEMP_POLICY_RETRY;
-    if (strncmp(sqlstate, "23", 2) == 0)
+    /* a deferred constraint; or idem_claim_commit found the handler ended the claim's
+     * transaction or changed a setting the runtime relies on (sql/008_claim_guard.sql) */
+    if (strncmp(sqlstate, "23", 2) == 0 || strcmp(sqlstate, "IDEM2") == 0)
         return IDEMP_POLICY_REJECT;
     return IDEMP_POLICY_PAUSE;
 }

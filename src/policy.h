@@ -12,11 +12,14 @@ typedef enum {
 } idemp_policy;
 
 /* A handler's statement failed with sqlstate ("" or NULL: the connection was lost).
- * Retry: 40001, 40P01, 55P03, 57014. Reject: class 22, class 23, P0001. Pause: the rest. */
+ * Retry: 40001, 40P01, 55P03, 57014. Reject: class 22, class 23, class 2D (the handler ended the
+ * transaction), class P0 (PL/pgSQL: RAISE, INTO STRICT, ASSERT). Pause: the rest. */
 idemp_policy idemp_policy_for_handler(const char *sqlstate);
 
-/* COMMIT failed with sqlstate: serialization and deadlock retry, a deferred constraint (class 23)
- * rejects like the handler's own statement would have, anything else pauses. */
+/* COMMIT (or idem_claim_commit right before it) failed with sqlstate: serialization and deadlock
+ * retry; a deferred constraint (class 23) rejects like the handler's own statement would have, and
+ * so does IDEM2 (a handler ended the claim's transaction or changed a setting the runtime relies
+ * on); anything else pauses. */
 idemp_policy idemp_policy_for_commit(const char *sqlstate);
 
 const char *idemp_policy_name(idemp_policy p); /* "retry", "reject", "pause" */

@@ -12,11 +12,13 @@
 
 #include "pg.h"
 
-/* $1 = dedup window in ms; $2 = event id (the single-row form). last_error is kept. */
+/* $1 = dedup window in ms; $2 = event id (the single-row form). last_error is kept. A row is
+ * too old by the consumers' own stale rule (idem_stale_before, sql/008_claim_guard.sql) applied
+ * to the timestamp the relay will give it (created_at in whole seconds, rounded down). */
 #define REPLAY_SET                                                                                 \
     "UPDATE event_outbox SET status = 'pending', attempts = 0, next_attempt_at = now() "
 #define REPLAY_RET                                                                                 \
-    " RETURNING created_at < now() - $1::bigint * interval '1 millisecond', "                      \
+    " RETURNING floor(extract(epoch FROM created_at))::bigint < idem_stale_before($1::bigint), "   \
     "to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')"
 #define REPLAY_ONE REPLAY_SET "WHERE status = 'failed' AND event_id = $2::uuid" REPLAY_RET
 #define REPLAY_ALL REPLAY_SET "WHERE status = 'failed'" REPLAY_RET

@@ -25,11 +25,15 @@
     " WHERE l.locktype = 'advisory' AND l.classid = 7651 AND l.objid = 1 AND l.objsubid = 2"       \
     "   AND l.granted LIMIT 1"
 
-/* Both cutoffs are fixed once per run: rows that age past the window while the run goes on
- * wait for the next run, and the loops are bounded by what existed at the start. */
+/* The cutoffs are fixed once per run: rows that age past the window while the run goes on
+ * wait for the next run, and the loops are bounded by what existed at the start. Ledger rows are
+ * kept one day longer than the dedup window: a consumer takes timestamps up to one day in the
+ * future as they are, so a delivery it finds fresh may carry a timestamp up to a day later than
+ * its ledger row's consumed_at (contract, "Failure policy (consumer)"). */
+#define LEDGER_SKEW_MS "86400000"
 #define RETAIN_CUTOFFS                                                                             \
     "SELECT (now() - $1::bigint * interval '1 millisecond')::text, "                               \
-    "(now() - $2::bigint * interval '1 millisecond')::text, "                                      \
+    "(now() - ($2::bigint + " LEDGER_SKEW_MS ") * interval '1 millisecond')::text, "               \
     "(now() - $3::bigint * interval '1 millisecond')::text"
 
 #define RETAIN_OUTBOX                                                                              \

@@ -2,7 +2,12 @@
  *
  * A handler is called once per new event (its id already claimed for the consumer) with the
  * consumer's PostgreSQL transaction open. Everything it writes through that connection commits
- * together with the claim, or not at all. It must not COMMIT or ROLLBACK itself.
+ * together with the claim, or not at all. The transaction is the runtime's: a handler that runs
+ * COMMIT, ROLLBACK (other than ROLLBACK TO SAVEPOINT) or END itself, or changes
+ * synchronous_commit, search_path or session_replication_role, is dead-lettered as
+ * handler_rejected whatever it returns, and nothing of its transaction commits (a COMMIT of its
+ * own is refused by the server). Statements it runs on the bare connection after its own
+ * ROLLBACK run outside any transaction: the runtime cannot undo them.
  * Threads: a handler runs on the consumer's thread; the event and everything it returns are
  * valid only during the call. */
 #ifndef IDEM_HANDLER_H
@@ -53,18 +58,18 @@ idem_outcome idem_event_fail(idem_event_t *ev, idem_outcome outcome, const char 
 /* Runs one parameterized statement in the event's transaction (prepared once per connection,
  * keyed by the SQL text, which must therefore be a constant). On success returns IDEM_DONE and,
  * if out is non-NULL, a new PGresult the caller must PQclear. On failure it records the server's
- * message and SQLSTATE and returns IDEM_REJECT for class 22, class 23 and P0001, IDEM_RETRY
+ * message and SQLSTATE and returns IDEM_REJECT for class 22, 23, 2D and P0, IDEM_RETRY
  * otherwise; *out is then NULL. Whatever the handler then returns, the consumer applies its
- * failure policy to the recorded SQLSTATE: 40001, 40P01, 55P03, 57014 retry; class 22, 23 and
- * P0001 reject; anything else (a read-only server, a missing table, a full disk, a lost
- * connection) pauses the consumer without spending a try. A later statement that succeeds (after
- * a ROLLBACK TO SAVEPOINT the handler ran this way) clears the recorded failure.
- * Inside a batch, a statement without out may be queued (pipelined) and IDEM_DONE returned at
- * once; if it fails, the whole batch rolls back and every event is run again in a transaction of
- * its own, where this function reports the failure as above. Handlers therefore need no special
- * care, but must not keep side effects outside the database. A handler that ignores a failed
- * statement and returns IDEM_DONE does not lose the event: the aborted transaction cannot
- * commit, and the event is retried. */
+ * failure policy to the recorded SQLSTATE: 40001, 40P01, 55P03, 57014 retry; class 22, 23, 2D
+ * (transaction termination) and P0 (PL/pgSQL: RAISE, INTO STRICT, ASSERT) reject; anything else (a
+ * read-only server, a missing table, a full disk, a lost connection) pauses the consumer without
+ * spending a try. A later statement that succeeds (after a ROLLBACK TO SAVEPOINT the handler ran
+ * this way) clears the recorded failure. Inside a batch, a statement without out may be queued
+ * (pipelined) and IDEM_DONE returned at once; if it fails, the whole batch rolls back and every
+ * event is run again in a transaction of its own, where this function reports the failure as above.
+ * Handlers therefore need no special care, but must not keep side effects outside the database. A
+ * handler that ignores a failed statement and returns IDEM_DONE does not lose the event: the
+ * aborted transaction cannot commit, and the event is retried. */
 idem_outcome idem_event_exec(idem_event_t *ev, const char *sql, int nparams,
                              const char *const *params, PGresult **out);
 

@@ -214,7 +214,9 @@ int cmd_retain(int argc, char **argv, cli_global_t *g)
         {"--outbox-keep", OPT_DURATION, &cfg.outbox_keep_ms, "DURATION", "7d",
          "delete sent outbox rows older than this (by sent_at)", 0, 0},
         {"--dedup-window", OPT_DURATION, &cfg.dedup_window_ms, "DURATION", "30d",
-         "delete ledger rows older than this (by consumed_at)", 0, 0},
+         "the consumers' dedup window: delete ledger rows older than it plus 1d (by "
+         "consumed_at; the day covers timestamps up to 1d in the future)",
+         0, 0},
         {"--keys-keep", OPT_DURATION, &cfg.keys_keep_ms, "DURATION", "400d",
          "forget emitted dedup keys older than this (by first emit); a replayed emit collapses "
          "for this long",

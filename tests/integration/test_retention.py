@@ -24,7 +24,7 @@ def seed(db):
     keep += add_outbox(db, 2, "failed", created_ago="40 days", attempts=8, last_error="nacked")
     keep += add_outbox(db, 1, "failed", created_ago="40 days", sent_ago="39 days")
     keep += add_outbox(db, 1, "pending", created_ago="40 days", sent_ago="39 days")
-    add_ledger(db, 35, "31 days", consumer="billing")
+    add_ledger(db, 35, "31 days 1 hour", consumer="billing")
     keep_ledger = add_ledger(db, 4, "29 days", consumer="billing")
     keep_ledger += add_ledger(db, 3, "1 hour", consumer="other")
     return sorted(keep), sorted(keep_ledger)
@@ -55,7 +55,7 @@ def test_deletes_exactly_old_rows_in_batches(db, servers):
 def test_batches_count_only_deletes_that_removed_rows(db, servers):
     """30 rows with --batch 10: three full DELETEs, then one that removes nothing (not counted)."""
     add_outbox(db, 30, "sent", sent_ago="8 days")
-    add_ledger(db, 10, "31 days")
+    add_ledger(db, 10, "31 days 1 hour")
     r = idem(db, servers, "retain", "--batch", "10")
     assert r.returncode == 0, r.stderr
     assert parse_retain(r.stdout) == {"event_outbox": (30, 3), "consumed_events": (10, 1)}
@@ -64,11 +64,12 @@ def test_batches_count_only_deletes_that_removed_rows(db, servers):
 
 
 def test_default_windows_and_batch(db, servers):
-    """Defaults: outbox 7d by sent_at, ledger 30d by consumed_at, batch 5000."""
+    """Defaults: outbox 7d by sent_at, ledger 30d by consumed_at plus the day of future timestamps
+    a consumer accepts (31d), batch 5000."""
     add_outbox(db, 2, "sent", sent_ago="7 days 1 hour")
     kept = add_outbox(db, 2, "sent", sent_ago="6 days 23 hours")
-    add_ledger(db, 3, "30 days 1 hour")
-    kept_ledger = add_ledger(db, 2, "29 days 23 hours")
+    add_ledger(db, 3, "31 days 1 hour")
+    kept_ledger = add_ledger(db, 2, "30 days 23 hours")
     add_ledger(db, 5001, "45 days", consumer="bulk")
     r = idem(db, servers, "retain")
     assert r.returncode == 0, r.stderr
@@ -80,8 +81,8 @@ def test_default_windows_and_batch(db, servers):
 def test_custom_windows(db, servers):
     add_outbox(db, 3, "sent", sent_ago="3 hours")
     kept = add_outbox(db, 2, "sent", sent_ago="1 hour")
-    add_ledger(db, 4, "3 days")
-    kept_ledger = add_ledger(db, 1, "1 day")
+    add_ledger(db, 4, "3 days 1 hour")  # past 2d plus the day of future timestamps
+    kept_ledger = add_ledger(db, 1, "2 days 23 hours")
     r = idem(db, servers, "retain", "--outbox-keep", "2h", "--dedup-window", "2d")
     assert r.returncode == 0, r.stderr
     assert parse_retain(r.stdout) == {"event_outbox": (3, 1), "consumed_events": (4, 1)}
@@ -91,7 +92,7 @@ def test_custom_windows(db, servers):
 
 def test_skipped_while_another_run_holds_the_lock(db, servers):
     add_outbox(db, 5, "sent", sent_ago="8 days")
-    add_ledger(db, 5, "31 days")
+    add_ledger(db, 5, "32 days")
     other = psycopg2.connect(db.url, application_name="nightly-report")
     try:
         other.autocommit = True
@@ -158,7 +159,7 @@ def test_two_concurrent_runs_do_not_overlap(db, servers):
 
 def test_window_rule_refused_without_force(db, servers):
     add_outbox(db, 3, "sent", sent_ago="8 days")
-    add_ledger(db, 3, "13 hours")
+    add_ledger(db, 3, "37 hours")  # past 12h plus the day of future timestamps, not past 1d + 1d
     for args in (["--dedup-window", "3d"],                        # shorter than outbox 7d
                  ["--dedup-window", "12h", "--outbox-keep", "1h"],  # shorter than 1d
                  ["--dedup-window", "6d", "--outbox-keep", "8d"],
