@@ -252,6 +252,24 @@ void idemp_mask_secrets(const char *in, char *out, size_t outsz)
     out[o] = '\0';
 }
 
+void idemp_mask_unparsed_url(const char *in, char *out, size_t outsz)
+{
+    size_t o = 0;
+    if (outsz == 0)
+        return;
+    const char *at = strrchr(in, '@');
+    if (at == NULL) {
+        puts_n(out, outsz, &o, in);
+    } else {
+        const char *sep = strstr(in, "://");
+        const char *from = sep != NULL && sep < at ? sep + 3 : in;
+        put_span(out, outsz, &o, in, (size_t)(from - in));
+        puts_n(out, outsz, &o, MASK);
+        puts_n(out, outsz, &o, at);
+    }
+    out[o] = '\0';
+}
+
 char *idemp_vformat(const char *fmt, va_list ap)
 {
     va_list ap2;

@@ -10,6 +10,12 @@
  * ("scheme://user:SECRET@") and every conninfo "password=SECRET" replaced by "***". */
 void idemp_mask_secrets(const char *in, char *out, size_t outsz);
 
+/* A URL (or a comma-separated list of them) that did not parse, for an error message: whatever it
+ * holds between its scheme's "://" and its last '@' (user names and passwords in any form, with
+ * "://", ',' or '@' in them) becomes "***", so the scheme and what follows the last '@' remain.
+ * Text without '@' holds no userinfo and is copied as it is. */
+void idemp_mask_unparsed_url(const char *in, char *out, size_t outsz);
+
 /* vsnprintf into a new malloc'd string (NULL on failure). */
 char *idemp_vformat(const char *fmt, va_list ap);
 

@@ -17,6 +17,7 @@
 #include <idem/log.h>
 
 #include "clock.h"
+#include "mask.h"
 #include "rmq_int.h"
 
 #define CONNECT_TIMEOUT_S 10
@@ -83,10 +84,12 @@ idemp_amqp_t *idemp_amqp_new(const char *urls, const char *component, int heartb
             continue;
         if (a->nurls == IDEMP_AMQP_URLS_MAX ||
             idemp_amqp_url_parse(tok, &a->urls[a->nurls]) != IDEM_OK) {
-            /* the URL may hold a password: the error text is masked by idem_error_set */
-            /* the whole list, not the piece: a ',' in a password would cut the URL in two and
-             * leave one half without its '@', unmasked */
-            idem_error_set(err, IDEM_ERR_INVALID, "invalid AMQP URL: %s", urls);
+            /* the whole list, not the piece (a ',' in a password cuts a URL in two), with
+             * everything before its last '@' hidden: a URL that does not parse cannot be trusted
+             * to show where its password ends (say one holding "://") */
+            char shown[512];
+            idemp_mask_unparsed_url(urls, shown, sizeof shown);
+            idem_error_set(err, IDEM_ERR_INVALID, "invalid AMQP URL: %s", shown);
             free(copy);
             free(a);
             return NULL;

@@ -262,7 +262,12 @@ def test_wrong_rabbitmq_password_never_shown(db, rmq_secret_user, consumers, que
     "amqp://{user}:alpha1%zzbravo2@{hostport}",
     # in a list of URLs, the second one's password unencoded
     "amqp://{user}:x@{hostport},amqp://{user}:alpha1/bravo2@{hostport}",
-], ids=["slash-at-colon-space", "bare-percent", "list"])
+    # '://' in the password: it looks like the start of another URL
+    "amqp://{user}:alpha1://bravo2@{hostport}",
+    "amqp://{user}:x@{hostport},amqp://{user}:alpha1://bravo2,charlie3@{hostport}",
+    "amqp://{user}:alpha1@bravo2://charlie3@{hostport}",
+], ids=["slash-at-colon-space", "bare-percent", "list", "scheme-in-password",
+        "scheme-and-comma-in-list", "at-and-scheme"])
 def test_invalid_url_error_hides_the_password(url, db, rmq_secret_user):
     user, hostport = rmq_secret_user
     url = url.format(user=user, hostport=hostport)

@@ -505,6 +505,28 @@ static void test_url_tls_and_query(void **state)
     assert_int_equal(U.heartbeat_s, 0);
 }
 
+static void unparsed(const char *in, const char *want)
+{
+    char got[256];
+    idemp_mask_unparsed_url(in, got, sizeof got);
+    assert_string_equal(got, want);
+}
+
+/* A URL that did not parse shows nothing before its last '@' after the scheme. */
+static void test_unparsed_url(void **state)
+{
+    (void)state;
+    unparsed("amqp://user:pa://ss@host:5672/", "amqp://***@host:5672/");
+    unparsed("amqp://u:x@h:1,amqp://user:a://b,c@host:5672/", "amqp://***@host:5672/");
+    unparsed("amqp://user:a@b://c@h", "amqp://***@h");
+    unparsed("user:secret@h", "***@h");
+    unparsed("amqp://h:0", "amqp://h:0");
+    unparsed("", "");
+    char small[8];
+    idemp_mask_unparsed_url("amqp://u:secret@h", small, sizeof small);
+    assert_string_equal(small, "amqp://");
+}
+
 static void test_url_bad(void **state)
 {
     (void)state;
@@ -1013,6 +1035,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_urls),
+        cmocka_unit_test(test_unparsed_url),
         cmocka_unit_test(test_urls_without_password),
         cmocka_unit_test(test_conninfo),
         cmocka_unit_test(test_conninfo_not_a_keyword),
