@@ -209,8 +209,8 @@ install: all
 	ln -sf libidem.so.$(VERSION) $(DESTDIR)$(PREFIX)/lib/libidem.so
 	install -m644 include/idem/*.h $(DESTDIR)$(PREFIX)/include/idem/
 	install -m644 sql/*.sql $(DESTDIR)$(PREFIX)/share/idem/sql/
-	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' idem.pc.in \
-		> $(DESTDIR)$(PREFIX)/lib/pkgconfig/idem.pc
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' idem.pc.in > $(BUILD)/idem.pc
+	install -m644 $(BUILD)/idem.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig/idem.pc
 
 # The deployment kit (deploy/): systemd units and a sysusers.d entry, example environment files,
 # the man page, the Grafana dashboard.

@@ -128,3 +128,33 @@ def test_version_flag(staged):
     r = subprocess.run([IDEM, "--help"], capture_output=True, text=True, timeout=10)
     assert r.returncode == 0
     assert re.search(r"^\s+--version\s", r.stdout, re.M), "idem --help does not list --version"
+
+
+def test_installed_modes_do_not_follow_the_umask(tmp_path):
+    """Under umask 000 (and 002) every installed file is 0644, programs and shared libraries
+    0755, directories 0755: a group- or world-writable idem.pc would let any local user inject
+    flags into every build that runs `pkg-config idem`."""
+    from install_helpers import require_default_build
+    require_default_build()
+    for mask in (0o000, 0o002):
+        dest = tmp_path / f"umask{mask:03o}"
+        old = os.umask(mask)
+        try:
+            r = subprocess.run(["make", "-s", "--no-print-directory", "-C", REPO, "install",
+                                "PREFIX=/usr/local", f"DESTDIR={dest}"],
+                               capture_output=True, text=True, timeout=900)
+        finally:
+            os.umask(old)
+        assert r.returncode == 0, r.stdout + r.stderr
+        for root, dirs, files in os.walk(dest):
+            for name in dirs + files:
+                p = os.path.join(root, name)
+                if os.path.islink(p):
+                    continue
+                mode = os.stat(p).st_mode & 0o7777
+                rel = os.path.relpath(p, dest)
+                assert not mode & 0o022, f"{rel} is {mode:04o} under umask {mask:03o}"
+                if os.path.isdir(p) or name == "idem" or ".so." in name:
+                    assert mode == 0o755, f"{rel} is {mode:04o}"
+                else:
+                    assert mode == 0o644, f"{rel} is {mode:04o}"
