@@ -4,6 +4,7 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <idem/duration.h>
@@ -62,6 +63,19 @@ const char *cli_amqp_password(const cli_global_t *g, const char *cmd, char *buf,
     if (f == NULL) {
         fprintf(stderr, "idem %s: cannot read the AMQP password file %s: %s\n", cmd,
                 g->amqp_password_file, strerror(errno));
+        *failed = true;
+        return NULL;
+    }
+    /* as libpq for its key files: no access for others, and for the group only when root
+     * owns the file (root:idem 0640, as the deployment kit installs it) */
+    struct stat st;
+    if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode) ||
+        (st.st_mode & (st.st_uid == 0 ? 0037 : 0077)) != 0) {
+        fprintf(stderr,
+                "idem %s: the AMQP password file %s is not a regular file, or group or others "
+                "may access it (mode %04o; chmod 600 it, or 640 owned by root)\n",
+                cmd, g->amqp_password_file, (unsigned)(st.st_mode & 07777));
+        fclose(f);
         *failed = true;
         return NULL;
     }

@@ -19,6 +19,7 @@ aggregation, shell history or `ps` output, readable by anyone who can read those
 
 import contextlib
 import json
+import os
 import re
 import subprocess
 import urllib.parse
@@ -185,6 +186,30 @@ def test_missing_or_empty_password_file_is_one_line(db, rmq_secret_user, pw_file
                 assert r.returncode == 1, (name, how, path, r.stdout, r.stderr)
                 line = one_line(r, name)
                 assert path in line, line
+
+
+def test_password_file_others_may_read_is_refused(db, rmq_secret_user, pw_file, tmp_path):
+    """As libpq does for its key files: a password file that group or others may access is
+    refused with one line naming it (exit 1), and nothing connects; root:group 0640 (the
+    deployment kit's /etc/idem/amqp-password, owned by root) and 0600 are taken."""
+    user, hostport = rmq_secret_user
+    url = f"amqp://{user}@{hostport}"
+    path = pw_file(SECRET + "\n")
+    for mode in (0o644, 0o604, 0o660, 0o606):
+        os.chmod(path, mode)
+        r = run_idem("relay", "--once", "--amqp-password-file", path, pg_url=db.url,
+                     amqp_url=url)
+        assert r.returncode == 1, (oct(mode), r.stdout, r.stderr)
+        line = one_line(r, "relay")
+        assert path in line and "group or others" in line, line
+        assert "connected to RabbitMQ" not in r.stderr
+        assert_hidden(r.stdout + r.stderr, oct(mode))
+    taken = (0o600, 0o400) + ((0o640,) if os.stat(path).st_uid == 0 else ())
+    for mode in taken:
+        os.chmod(path, mode)
+        r = run_idem("relay", "--once", "--amqp-password-file", path, pg_url=db.url,
+                     amqp_url=url)
+        assert r.returncode == 0, (oct(mode), r.stderr)
 
 
 # ----------------------------------------------------------------------------- ps
