@@ -2,6 +2,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 
 #include <idem/idem.h>
 
@@ -65,6 +66,8 @@ static int takes_value(const char *arg)
 
 int main(int argc, char **argv)
 {
+    /* no core file, and no ptrace by the same user, may read a password out of this process */
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     int cmd_at = -1;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {

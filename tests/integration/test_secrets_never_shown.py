@@ -22,6 +22,7 @@ import json
 import os
 import re
 import subprocess
+import time
 import urllib.parse
 import uuid
 
@@ -369,3 +370,33 @@ def test_pgpassfile_supplies_the_postgres_password(pg_secret_role, pw_file):
     r = run_idem("failed", pg_url=url, env={"PGPASSFILE": "/nonexistent"})
     assert r.returncode == 1, r.stderr
     assert re.search(r"password|authentication", one_line(r, "failed"))
+
+
+def test_daemons_are_not_dumpable(db, servers, tmp_path):
+    """A daemon holds passwords in memory: it is not dumpable (no core file, no ptrace by the
+    same user). Run as an unprivileged user, its /proc files are then owned by root, as the
+    kernel does for non-dumpable processes; a dumpable one's would be that user's."""
+    if os.geteuid() != 0:
+        pytest.fail("needs root, to start the daemon as another user (CI runs as root)")
+    nobody = 65534
+    p = subprocess.Popen(["setpriv", f"--reuid={nobody}", f"--regid={nobody}", "--clear-groups",
+                          IDEM, "relay", "--poll-interval", "1s"],
+                         env=dict(os.environ, IDEM_PG_URL=db.url, IDEM_AMQP_URL=servers.amqp_url),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=str(tmp_path))
+    try:
+        deadline = time.monotonic() + 10
+        uid = None
+        while time.monotonic() < deadline and uid != nobody:
+            with open(f"/proc/{p.pid}/status") as f:  # after exec, setpriv's pid is idem's
+                uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
+            exe = os.path.basename(os.readlink(f"/proc/{p.pid}/exe"))
+            if exe != "idem":
+                uid = None
+            time.sleep(0.05)
+        assert uid == nobody, "the daemon did not start as nobody"
+        time.sleep(0.3)
+        assert p.poll() is None, p.stderr.read()
+        assert os.stat(f"/proc/{p.pid}/environ").st_uid == 0, "the daemon is dumpable"
+    finally:
+        p.terminate()
+        p.wait(10)
