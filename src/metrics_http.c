@@ -55,8 +55,9 @@ static void conn_close(conn_t *c)
     c->inlen = c->outlen = c->outoff = 0;
 }
 
-static void respond(idemp_http_t *h, conn_t *c, int status, const char *reason, bool head,
-                    const char *ctype)
+/* status and its reason phrase go on the status line; text (one line) is the body of an error. */
+static void respond(idemp_http_t *h, conn_t *c, int status, const char *reason, const char *text,
+                    bool head, const char *ctype)
 {
     char *body = NULL;
     size_t blen = 0;
@@ -69,7 +70,7 @@ static void respond(idemp_http_t *h, conn_t *c, int status, const char *reason, 
         h->render(h->ud, f);
         fclose(f);
     } else {
-        body = strdup(reason);
+        body = strdup(text);
         blen = body ? strlen(body) : 0;
     }
     char hdr[256];
@@ -98,7 +99,7 @@ static void serve(idemp_http_t *h, conn_t *c)
 {
     char method[8], path[256];
     if (sscanf(c->in, "%7s %255s", method, path) != 2) {
-        respond(h, c, 400, "bad request\n", false, "text/plain");
+        respond(h, c, 400, "Bad Request", "bad request\n", false, "text/plain");
         return;
     }
     bool get = strcmp(method, "GET") == 0, head = strcmp(method, "HEAD") == 0;
@@ -106,11 +107,11 @@ static void serve(idemp_http_t *h, conn_t *c)
     if (q != NULL)
         *q = '\0';
     if (!get && !head)
-        respond(h, c, 405, "only GET and HEAD\n", false, "text/plain");
+        respond(h, c, 405, "Method Not Allowed", "only GET and HEAD\n", false, "text/plain");
     else if (strcmp(path, "/metrics") != 0)
-        respond(h, c, 404, "not found; try /metrics\n", head, "text/plain");
+        respond(h, c, 404, "Not Found", "not found; try /metrics\n", head, "text/plain");
     else
-        respond(h, c, 200, "OK", head, "text/plain; version=0.0.4; charset=utf-8");
+        respond(h, c, 200, "OK", NULL, head, "text/plain; version=0.0.4; charset=utf-8");
 }
 
 static void on_readable(idemp_http_t *h, conn_t *c)
@@ -127,7 +128,8 @@ static void on_readable(idemp_http_t *h, conn_t *c)
     if (strstr(c->in, "\r\n\r\n") != NULL || strstr(c->in, "\n\n") != NULL)
         serve(h, c);
     else if (c->inlen == sizeof c->in - 1)
-        respond(h, c, 431, "request header too large\n", false, "text/plain");
+        respond(h, c, 431, "Request Header Fields Too Large", "request header too large\n", false,
+                "text/plain");
 }
 
 static void on_writable(conn_t *c)

@@ -34,6 +34,15 @@ def test_methods_and_paths(db, queue, consumers):
     assert raw(c.metrics_port, b"GET / HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 404 ")
     assert raw(c.metrics_port, b"GET /metrics/x HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 404 ")
     assert raw(c.metrics_port, b"\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+    # every status line is one line: code and reason phrase, then the headers
+    for req, line in ((b"POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n",
+                       b"HTTP/1.1 405 Method Not Allowed"),
+                      (b"GET / HTTP/1.1\r\n\r\n", b"HTTP/1.1 404 Not Found"),
+                      (b"\r\n\r\n", b"HTTP/1.1 400 Bad Request")):
+        got = raw(c.metrics_port, req)
+        status, _, rest = got.partition(b"\r\n")
+        assert status == line, got
+        assert rest.startswith(b"Content-Type: text/plain\r\n"), got
     # only loopback by default
     assert c.proc.poll() is None
 
