@@ -28,6 +28,7 @@ LIB_SRCS := \
 	src/error.c \
 	src/log.c \
 	src/mask.c \
+	src/host.c \
 	src/duration.c \
 	src/backoff.c \
 	src/clock.c \
@@ -99,6 +100,7 @@ UNIT_TESTS := \
 	tests/unit/test_consumer_window \
 	tests/unit/test_relay_gap \
 	tests/unit/test_log \
+	tests/unit/test_host \
 	tests/unit/test_envelope_suite \
 	tests/unit/test_fuzz_regressions
 

@@ -31,7 +31,8 @@ LAYERS = [
     ("handler API", ["event", "registry", "policy"]),
     ("adapters", ["pg", "rmq", "metrics"]),
     ("wire format", ["envelope"]),
-    ("utilities", ["error", "log", "mask", "duration", "backoff", "clock", "uuid", "fault"]),
+    ("utilities", ["error", "log", "mask", "duration", "backoff", "clock", "uuid", "fault",
+                   "host"]),
 ]
 ADAPTER_LIBS = {"pg": re.compile(r"#include <libpq-fe\.h>"),
                 "rmq": re.compile(r"#include <amqp[a-z_]*\.h>|#include <openssl/")}

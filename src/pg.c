@@ -11,6 +11,7 @@
 #include "backoff.h"
 #include "clock.h"
 #include "mask.h"
+#include "host.h"
 #include "pg_int.h"
 
 /* A connection that stayed up this long resets the reconnect backoff when it drops. */
@@ -274,6 +275,14 @@ int idemp_pg_ensure(idemp_pg_t *pg, bool *reconnected, idem_error_t *err)
         snprintf(at, sizeof at, "%s:%s", PQhost(pg->conn), PQport(pg->conn));
         const char *kv[] = {"server", at, "tls", PQsslInUse(pg->conn) ? "on" : "off", NULL};
         idem_log(IDEM_LOG_INFO, pg->component, kv, "connected to PostgreSQL");
+        if (!PQsslInUse(pg->conn) && !pg->warned_plain && !idemp_host_loopback(PQhost(pg->conn))) {
+            /* sslmode=prefer (libpq's default) falls back to plain TCP without a word */
+            pg->warned_plain = true;
+            idem_log(IDEM_LOG_WARN, pg->component, kv,
+                     "connected to PostgreSQL without TLS (tls=off) on a host that is not "
+                     "loopback: the password and every statement cross the network in clear "
+                     "(use sslmode=verify-full)");
+        }
         if (reconnected != NULL)
             *reconnected = pg->was_up;
         pg->was_up = true;

@@ -44,6 +44,7 @@ struct idemp_pg {
     idemp_backoff_t backoff;
     int64_t next_ms;      /* next connection attempt (monotonic) */
     bool was_up;          /* connected at least once */
+    bool warned_plain;    /* the tls=off warning (a host that is not loopback) was logged */
     int64_t connected_at; /* monotonic ms of the last successful connect */
     bool failing;         /* the last attempt failed (its reason was logged) */
 };

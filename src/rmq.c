@@ -17,6 +17,7 @@
 #include <idem/log.h>
 
 #include "clock.h"
+#include "host.h"
 #include "mask.h"
 #include "rmq_int.h"
 
@@ -398,6 +399,13 @@ int idemp_amqp_connect(idemp_amqp_t *a, bool confirms, idem_error_t *err)
             const char *kv[] = {"server",      a->where, "tls", u->tls ? "on" : "off",
                                 "heartbeat_s", hb,       NULL};
             idem_log(IDEM_LOG_DEBUG, a->component, kv, "connected to RabbitMQ");
+            if (!u->tls && !a->warned_plain && !idemp_host_loopback(u->host)) {
+                a->warned_plain = true;
+                idem_log(IDEM_LOG_WARN, a->component, kv,
+                         "connected to RabbitMQ without TLS (tls=off) on a host that is not "
+                         "loopback: the password and every message cross the network in clear "
+                         "(use an amqps:// URL)");
+            }
             if (u->tls && !u->verify_peer && !a->warned_unverified) {
                 a->warned_unverified = true; /* once per process and connection object */
                 idem_log(IDEM_LOG_WARN, a->component, kv,

@@ -18,6 +18,7 @@ struct idemp_amqp {
     const char *component;
     int heartbeat_s;        /* requested */
     bool warned_unverified; /* the verify_none warning was logged */
+    bool warned_plain;      /* the tls=off warning (a host that is not loopback) was logged */
     char where[300];
     amqp_connection_state_t conn;
     bool connected;
