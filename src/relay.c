@@ -2,11 +2,12 @@
  *
  * Each batch: claim due pending rows, publish them with confirms, mark the confirmed ones sent in
  * the claiming transaction, COMMIT (relay_claim.c, relay_batch.c). Order per subscription holds
- * across relays because a relay takes whole subscriptions (a transaction-level advisory lock per
- * subscription) before it reads their rows, and reads them with a snapshot taken after it holds
+ * across relays because a relay takes whole subscriptions (a row lock on each one's first pending
+ * row, its head) before it reads their rows, and reads them with a snapshot taken after it holds
  * the lock: whatever the previous holder did is visible, and nobody else moves those rows until
- * we commit. A control connection LISTENs for new rows and reads the backlog gauge, outside the
- * batches' transactions.
+ * we commit. A subscription held by another relay costs a claim one skipped lock, however long its
+ * backlog, so a relay that hangs holds back its own subscriptions only. A control connection
+ * LISTENs for new rows and reads the backlog gauge, outside the batches' transactions.
  *
  * One loop drives every batch in flight, each in its own transaction on its own connection (a
  * slot): it reads confirms as they arrive and publishes each batch's next wave, sends a batch's
@@ -95,6 +96,7 @@ idem_relay_t *idem_relay_new(const idem_relay_config_t *cfg, idem_error_t *err)
         goto nomem;
     r->cfg = *cfg;
     r->cfg.amqp_password = NULL;
+    snprintf(r->cursor, sizeof r->cursor, "00000000-0000-0000-0000-000000000000");
     r->pg_conninfo = strdup(cfg->pg_conninfo ? cfg->pg_conninfo : "");
     r->amqp_url = strdup(cfg->amqp_url ? cfg->amqp_url : "amqp://guest:guest@127.0.0.1:5672");
     r->exchange = strdup(cfg->exchange ? cfg->exchange : "billing.events");
@@ -138,6 +140,7 @@ void idem_relay_free(idem_relay_t *r)
     idemp_metrics_free(r->metrics);
     idemp_amqp_free(r->amqp);
     for (int i = 0; i < r->nslots; i++) {
+        idemp_rows_free(r->slots[i].heads);
         idemp_rows_free(r->slots[i].res);
         idemp_pg_free(r->slots[i].pg);
         free(r->slots[i].rows);
@@ -479,9 +482,8 @@ static slot_t *free_slot(idem_relay_t *r)
  * at once would only take each other's rows), none after a failed statement's backoff, none while
  * a suspect waits to go out alone or a fresh channel is due. Step 1 of a claim and our own commits
  * do not overlap (but see step1_running): a commit that lets go of a subscription while step 1
- * scans past its rows would let step 1 take it at a later row than its first pending one; the gap
- * filter would then leave all of its rows out, and hold the subscription for nothing until that
- * batch commits. */
+ * walks past it moves its head after step 1 read it, and step 1 would pass the subscription over
+ * until the next claim. */
 static bool claim_step(idem_relay_t *r)
 {
     int64_t now = idemp_now_ms();

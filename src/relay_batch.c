@@ -291,7 +291,9 @@ static void note_failed(idem_relay_t *r, slot_t *sl, idemp_rows_t *res)
 
 void idemp_relay_slot_done(slot_t *sl)
 {
-    idemp_rows_free(sl->res); /* rows[] borrowed strings from res: done with them now */
+    idemp_rows_free(sl->heads); /* rows[] borrowed strings from these: done with them now */
+    idemp_rows_free(sl->res);
+    sl->heads = NULL;
     sl->res = NULL;
     sl->phase = SLOT_FREE;
     sl->n = 0;

@@ -1,7 +1,7 @@
-/* relay_claim.c - the relay's claim: whole subscriptions (transaction-level advisory locks), then
- * their rows by primary key with a fresh snapshot, kept only as gapless runs from each
- * subscription's first pending row. Each step is a pipeline sent without waiting; the loop
- * (relay.c) hands its answer to idemp_relay_claim_step. */
+/* relay_claim.c - the relay's claim: whole subscriptions, by locking each one's first pending row
+ * (its head), then their rows in seq order with a fresh snapshot, kept only as gapless runs from
+ * each subscription's head. Each step is a pipeline sent without waiting; the loop (relay.c) hands
+ * its answer to idemp_relay_claim_step. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,48 +20,62 @@
     " set_config('plan_cache_mode', 'force_generic_plan', true), set_config('jit', 'off', true),"  \
     " set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)"
 
-/* Step 1: the oldest due rows whose subscription no other relay holds, skipping rows that wait
- * behind a retrying row of their subscription (so they cannot crowd out other subscriptions);
- * taking the subscription's transaction-level advisory lock is what makes a row a candidate. It
- * looks at the oldest $2 such rows only (SCAN_BATCHES batches): when most of them belong to
- * batches in flight, ours or other relays', a claim costs that much and no more, instead of a
- * walk of the whole backlog; rows further back come into view as those batches commit. It
- * returns where each candidate is (its ctid), so that step 2 reads it without an index probe. */
-#define SQL_LOCK_CANDIDATES                                                                        \
-    "SELECT w.ctid FROM (SELECT o.ctid, o.subscription_id, o.seq FROM event_outbox o"              \
-    "                     WHERE o.status = 'pending' AND o.next_attempt_at <= now()"               \
-    "                       AND NOT EXISTS (SELECT 1 FROM event_outbox e"                          \
-    "                                        WHERE e.subscription_id = o.subscription_id"          \
-    "                                          AND e.status = 'pending' AND e.attempts > 0"        \
-    "                                          AND e.next_attempt_at > now() AND e.seq < o.seq)"   \
-    "                     ORDER BY o.seq LIMIT $2) w"                                              \
-    " WHERE pg_try_advisory_xact_lock(7649, hashtext(w.subscription_id::text))"                    \
-    " ORDER BY w.seq LIMIT $1"
-#define SCAN_BATCHES 16
+/* Step 1: up to $1 subscriptions, each by its head (its first pending row): the subscriptions with
+ * pending rows are walked in subscription order from the cursor $2 (where this relay's previous
+ * claim stopped) round to it again, one index descent each (h), so a subscription costs one probe
+ * however long its backlog. A head that waits for a retry is passed over as it is; a due one is
+ * locked FOR UPDATE SKIP LOCKED, so a head another relay holds (in a batch in flight, or on a relay
+ * that hangs) is passed over at once. Holding a subscription's head is holding the subscription:
+ * a relay claims a subscription's rows only from its head (step 2), and seq order is commit order
+ * per subscription (idem_emit), so no row before a head we lock can be pending and nobody else
+ * holds a row of it. A head changed since the walk's snapshot (sent, or waiting for a retry) fails
+ * the lock's recheck and is passed over too. The walk is lazy: it goes on only until $1 heads are
+ * locked. Each head comes whole, in walk order, with no previous pending row (the gap filter's
+ * column), and where it is (its ctid) for the marks: the row lock keeps it there until we commit.
+ * The timestamp is the creation time in whole seconds, rounded down. */
+#define SQL_LOCK_HEADS                                                                             \
+    "WITH RECURSIVE h(sub, seq, t, due, wrapped) AS ("                                             \
+    "    SELECT $2::uuid, 0::bigint, NULL::tid, false, false"                                      \
+    "  UNION ALL"                                                                                  \
+    "    SELECT n.* FROM h CROSS JOIN LATERAL ("                                                   \
+    "        (SELECT o.subscription_id, o.seq, o.ctid, o.next_attempt_at <= now(), h.wrapped"      \
+    "           FROM event_outbox o WHERE o.status = 'pending' AND o.subscription_id > h.sub"      \
+    "          ORDER BY o.subscription_id, o.seq LIMIT 1)"                                         \
+    "        UNION ALL"                                                                            \
+    "        (SELECT o.subscription_id, o.seq, o.ctid, o.next_attempt_at <= now(), true"           \
+    "           FROM event_outbox o WHERE o.status = 'pending' AND NOT h.wrapped"                  \
+    "          ORDER BY o.subscription_id, o.seq LIMIT 1)"                                         \
+    "        LIMIT 1) n(sub, seq, t, due, wrapped)"                                                \
+    "     WHERE NOT n.wrapped OR n.sub <= $2::uuid)"                                               \
+    "SELECT o.outbox_id, o.event_id, o.subscription_id, o.event_type, o.payload::text,"            \
+    "       o.attempts, floor(extract(epoch FROM o.created_at))::bigint, o.seq, NULL::bigint,"     \
+    "       o.headers::text, o.row_tid"                                                            \
+    "  FROM h CROSS JOIN LATERAL (SELECT x.ctid AS row_tid, x.* FROM event_outbox x"               \
+    "                              WHERE x.ctid = h.t AND x.status = 'pending'"                    \
+    "                                AND x.next_attempt_at <= now()"                               \
+    "                             OFFSET 0 FOR UPDATE SKIP LOCKED) o"                              \
+    " WHERE h.due LIMIT $1"
 
-/* Step 2, with a snapshot taken after the locks are held: the candidates still pending and due,
- * locked. Each row carries the seq of the previous pending row of its subscription for the gap
- * filter, which also leaves out every row behind an earlier row that waits for a retry (that row
- * is pending and not in the batch). The candidates are read by ctid, one LATERAL probe each
- * (OFFSET 0 keeps the planner from turning that into a walk of the whole pending index), so the
- * cost follows the batch, not the backlog; a candidate updated since step 1 has a new ctid, is not
- * found and waits for a later claim (the gap filter holds back its subscription's later rows).
- * Its ctid is returned for the marks: the row lock keeps the row where it is until we commit. The
- * timestamp is the creation time in whole seconds, rounded down. */
+/* Step 2, when step 1 locked fewer heads than a batch, with a snapshot taken after they are
+ * locked: up to $3 more pending due rows of each subscription after its head $2, in seq order,
+ * locked (nobody else holds them: we hold the head), so that the batch is shared out between its
+ * subscriptions. Each row carries the seq of the previous pending row of its subscription for the
+ * gap filter, which leaves out every row behind an earlier row that is not in the batch (one that
+ * waits for a retry). The other columns are step 1's. */
 #define SQL_CLAIM_ROWS                                                                             \
     "SELECT o.outbox_id, o.event_id, o.subscription_id, o.event_type, o.payload::text,"            \
     "       o.attempts, floor(extract(epoch FROM o.created_at))::bigint, o.seq,"                   \
-    "       (SELECT h.seq FROM event_outbox h"                                                     \
-    "         WHERE h.subscription_id = o.subscription_id AND h.status = 'pending'"                \
-    "           AND h.seq < o.seq ORDER BY h.seq DESC LIMIT 1), o.headers::text, o.row_tid"        \
-    "  FROM unnest($1::tid[]) AS c(t)"                                                             \
+    "       (SELECT p.seq FROM event_outbox p"                                                     \
+    "         WHERE p.subscription_id = o.subscription_id AND p.status = 'pending'"                \
+    "           AND p.seq < o.seq ORDER BY p.seq DESC LIMIT 1), o.headers::text, o.row_tid"        \
+    "  FROM unnest($1::uuid[], $2::bigint[]) AS h(sub, seq)"                                       \
     "  CROSS JOIN LATERAL (SELECT x.ctid AS row_tid, x.* FROM event_outbox x"                      \
-    "                       WHERE x.ctid = c.t AND x.status = 'pending'"                           \
-    "                         AND x.next_attempt_at <= now()"                                      \
-    "                      OFFSET 0 FOR UPDATE SKIP LOCKED) o"                                     \
+    "                       WHERE x.subscription_id = h.sub AND x.status = 'pending'"              \
+    "                         AND x.seq > h.seq AND x.next_attempt_at <= now()"                    \
+    "                      ORDER BY x.seq LIMIT $3 FOR UPDATE SKIP LOCKED) o"                      \
     " ORDER BY o.seq"
 
-/* Column numbers of SQL_CLAIM_ROWS. */
+/* Column numbers of SQL_LOCK_HEADS and SQL_CLAIM_ROWS. */
 enum {
     C_OUTBOX_ID,
     C_EVENT_ID,
@@ -108,27 +122,53 @@ size_t idemp_relay_gap_filter(const gap_row_t *rows, size_t n, size_t max, bool 
 
 /* ---- claiming -------------------------------------------------------------------------------- */
 
-/* Fills sl's rows from the claim result, through the gap filter. */
-static int load_rows(idem_relay_t *r, slot_t *sl, idemp_rows_t *res, idem_error_t *err)
+/* One row of a claim's results. */
+typedef struct ref {
+    idemp_rows_t *res;
+    int i;
+    int64_t seq;
+} ref_t;
+
+static int by_seq(const void *a, const void *b)
 {
-    size_t rows = (size_t)idemp_rows_count(res);
+    int64_t x = ((const ref_t *)a)->seq, y = ((const ref_t *)b)->seq;
+    return (x > y) - (x < y);
+}
+
+/* Fills sl's rows from the heads of step 1 and the rows of step 2 (NULL: none), in seq order,
+ * through the gap filter. */
+static int load_rows(idem_relay_t *r, slot_t *sl, idemp_rows_t *heads, idemp_rows_t *more,
+                     idem_error_t *err)
+{
+    size_t nh = (size_t)idemp_rows_count(heads), rows = nh + (size_t)idemp_rows_count(more);
+    ref_t *ref = calloc(rows ? rows : 1, sizeof *ref);
     gap_row_t *g = calloc(rows ? rows : 1, sizeof *g);
     bool *keep = calloc(rows ? rows : 1, sizeof *keep);
-    if (g == NULL || keep == NULL) {
+    if (ref == NULL || g == NULL || keep == NULL) {
+        free(ref);
         free(g);
         free(keep);
         return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
     }
     for (size_t k = 0; k < rows; k++) {
-        g[k].subscription_id = idemp_rows_get(res, (int)k, C_SUB);
-        g[k].seq = idemp_rows_get(res, (int)k, C_SEQ);
+        ref[k].res = k < nh ? heads : more;
+        ref[k].i = (int)(k < nh ? k : k - nh);
+        ref[k].seq = strtoll(idemp_rows_get(ref[k].res, ref[k].i, C_SEQ), NULL, 10);
+    }
+    qsort(ref, rows, sizeof *ref, by_seq);
+    for (size_t k = 0; k < rows; k++) {
+        idemp_rows_t *res = ref[k].res;
+        int i = ref[k].i;
+        g[k].subscription_id = idemp_rows_get(res, i, C_SUB);
+        g[k].seq = idemp_rows_get(res, i, C_SEQ);
         g[k].prev_pending_seq =
-            idemp_rows_isnull(res, (int)k, C_PREV) ? NULL : idemp_rows_get(res, (int)k, C_PREV);
+            idemp_rows_isnull(res, i, C_PREV) ? NULL : idemp_rows_get(res, i, C_PREV);
     }
     idemp_relay_gap_filter(g, rows, (size_t)r->cfg.batch, keep);
     size_t n = 0;
     for (size_t k = 0; k < rows; k++) {
-        int i = (int)k;
+        idemp_rows_t *res = ref[k].res;
+        int i = ref[k].i;
         if (!keep[k]) {
             const char *kv[] = {"subscription_id", g[k].subscription_id, "event_id",
                                 idemp_rows_get(res, i, C_EVENT_ID), NULL};
@@ -146,7 +186,7 @@ static int load_rows(idem_relay_t *r, slot_t *sl, idemp_rows_t *res, idem_error_
         row->payload = idemp_rows_get(res, i, C_PAYLOAD);
         row->headers = idemp_rows_isnull(res, i, C_HDR) ? NULL : idemp_rows_get(res, i, C_HDR);
         row->created_s = strtoll(idemp_rows_get(res, i, C_CREATED), NULL, 10);
-        row->seq = strtoll(g[k].seq, NULL, 10);
+        row->seq = ref[k].seq;
         row->state = R_UNSENT;
         row->why[0] = '\0';
         row->prev = -1;
@@ -156,6 +196,7 @@ static int load_rows(idem_relay_t *r, slot_t *sl, idemp_rows_t *res, idem_error_
                 break;
             }
     }
+    free(ref);
     free(g);
     free(keep);
     sl->n = n;
@@ -164,9 +205,8 @@ static int load_rows(idem_relay_t *r, slot_t *sl, idemp_rows_t *res, idem_error_
 
 int idemp_relay_claim_start(idem_relay_t *r, slot_t *sl, idem_error_t *err)
 {
-    char limit[16], scan[24];
+    char limit[16];
     snprintf(limit, sizeof limit, "%d", r->cfg.batch);
-    snprintf(scan, sizeof scan, "%lld", (long long)r->cfg.batch * SCAN_BATCHES);
     sl->t0 = idemp_now_ms();
     sl->n = 0;
     sl->waiting = 0;
@@ -180,8 +220,8 @@ int idemp_relay_claim_start(idem_relay_t *r, slot_t *sl, idem_error_t *err)
         rc = idemp_pg_queue(sl->pg, SQL_SETTINGS, 2, p, false, err);
     }
     if (rc == IDEM_OK) {
-        const char *p[] = {limit, scan};
-        rc = idemp_pg_queue(sl->pg, SQL_LOCK_CANDIDATES, 2, p, true, err);
+        const char *p[] = {limit, r->cursor};
+        rc = idemp_pg_queue(sl->pg, SQL_LOCK_HEADS, 2, p, true, err);
     }
     if (rc == IDEM_OK)
         rc = idemp_pg_pipeline_send(sl->pg, err);
@@ -189,21 +229,29 @@ int idemp_relay_claim_start(idem_relay_t *r, slot_t *sl, idem_error_t *err)
     return rc;
 }
 
-/* Step 2 for the candidates of step 1. */
-static int read_rows(slot_t *sl, idemp_rows_t *cands, idem_error_t *err)
+/* Step 2 after the heads of step 1: the rest of a batch's worth of rows, shared out between their
+ * subscriptions (the gap filter keeps the batch at its size). */
+static int read_rows(idem_relay_t *r, slot_t *sl, idemp_rows_t *heads, idem_error_t *err)
 {
-    idemp_pgarray_t ids;
-    idemp_pgarray_init(&ids);
-    for (int i = 0; i < idemp_rows_count(cands); i++)
-        idemp_pgarray_add(&ids, idemp_rows_get(cands, i, 0));
-    const char *p[] = {idemp_pgarray_str(&ids)};
-    int rc = p[0] ? idemp_pg_pipeline_begin(sl->pg, err)
-                  : idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+    int nheads = idemp_rows_count(heads);
+    char per[16];
+    snprintf(per, sizeof per, "%d", (r->cfg.batch + nheads - 1) / nheads - 1);
+    idemp_pgarray_t subs, seqs;
+    idemp_pgarray_init(&subs);
+    idemp_pgarray_init(&seqs);
+    for (int i = 0; i < nheads; i++) {
+        idemp_pgarray_add(&subs, idemp_rows_get(heads, i, C_SUB));
+        idemp_pgarray_add(&seqs, idemp_rows_get(heads, i, C_SEQ));
+    }
+    const char *p[] = {idemp_pgarray_str(&subs), idemp_pgarray_str(&seqs), per};
+    int rc = p[0] && p[1] ? idemp_pg_pipeline_begin(sl->pg, err)
+                          : idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
     if (rc == IDEM_OK)
-        rc = idemp_pg_queue(sl->pg, SQL_CLAIM_ROWS, 1, p, true, err);
+        rc = idemp_pg_queue(sl->pg, SQL_CLAIM_ROWS, 3, p, true, err);
     if (rc == IDEM_OK)
         rc = idemp_pg_pipeline_send(sl->pg, err);
-    idemp_pgarray_free(&ids);
+    idemp_pgarray_free(&subs);
+    idemp_pgarray_free(&seqs);
     sl->phase = SLOT_READING;
     return rc;
 }
@@ -215,22 +263,26 @@ int idemp_relay_claim_step(idem_relay_t *r, slot_t *sl, idemp_rows_t **rows, siz
     rows[0] = NULL;
     *claimed = 0;
     if (sl->phase == SLOT_LOCKING) {
-        int rc = idemp_rows_count(res) > 0
-                     ? read_rows(sl, res, err)
-                     : idemp_relay_settle(r, sl, false, err); /* nothing due */
-        idemp_rows_free(res);
-        return rc;
+        int nheads = idemp_rows_count(res);
+        if (nheads == 0) {
+            idemp_rows_free(res);
+            return idemp_relay_settle(r, sl, false, err); /* nothing due */
+        }
+        /* the next claim walks on from the last head (the results come in walk order) */
+        snprintf(r->cursor, sizeof r->cursor, "%s", idemp_rows_get(res, nheads - 1, C_SUB));
+        sl->heads = res;
+        if (nheads < r->cfg.batch)
+            return read_rows(r, sl, res, err);
+        res = NULL; /* a whole batch of heads: nothing more to read */
     }
     sl->t_claim = idemp_now_ms();
-    int rc = load_rows(r, sl, res, err);
-    if (rc != IDEM_OK) {
-        idemp_rows_free(res);
-        return rc; /* the caller rolls back */
-    }
+    int rc = load_rows(r, sl, sl->heads, res, err);
     sl->res = res;
+    if (rc != IDEM_OK)
+        return rc; /* the caller rolls back (and frees the results) */
     *claimed = sl->n;
     if (sl->n == 0)
-        return idemp_relay_settle(r, sl, false, err); /* every candidate was taken meanwhile */
+        return idemp_relay_settle(r, sl, false, err); /* every row was taken meanwhile */
     sl->phase = SLOT_PUBLISHING;
     rc = idemp_relay_publish(r, sl, err);
     sl->t_pub = idemp_now_ms();

@@ -44,17 +44,17 @@ enum slot_phase {
 
 /* A claiming transaction on a connection of its own, with its batch. Several slots let batches
  * wait for their confirms while the next is claimed and earlier ones commit; their subscriptions
- * are disjoint (advisory locks held by different sessions), so per-subscription order is
+ * are disjoint (each one's head row is locked by one transaction), so per-subscription order is
  * unaffected. */
 typedef struct slot {
     idemp_pg_t *pg;
     enum slot_phase phase;
     row_t *rows; /* batch entries */
     size_t n;
-    size_t waiting;    /* rows published and not yet confirmed */
-    idemp_rows_t *res; /* owns the rows' strings while in flight */
-    uint64_t order;    /* claim order, to settle the oldest first after a broken link */
-    uint64_t wakes;    /* the relay's wakes when this claim started */
+    size_t waiting;            /* rows published and not yet confirmed */
+    idemp_rows_t *heads, *res; /* own the rows' strings while in flight (claim steps 1, 2) */
+    uint64_t order;            /* claim order, to settle the oldest first after a broken link */
+    uint64_t wakes;            /* the relay's wakes when this claim started */
     int64_t t0, t_claim, t_pub, t_settle;
     int64_t t_heard; /* last publish or confirm of this batch: its confirm timeout runs from here */
 } slot_t;
@@ -77,6 +77,8 @@ struct idem_relay {
     int nslots;
     idemp_pg_t *ctl; /* LISTENs and reads the gauge, outside the batches' transactions */
     uint64_t claims;
+    char
+        cursor[37]; /* the subscription of the last head claimed: the next claim walks on from it */
     idemp_amqp_t *amqp;
     idemp_metrics_t *metrics;
     int64_t gauge_next_ms;
