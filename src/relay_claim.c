@@ -56,7 +56,7 @@
     "                             OFFSET 0 FOR UPDATE SKIP LOCKED) o"                              \
     " WHERE h.due LIMIT $1"
 
-/* Step 2, when step 1 locked fewer heads than a batch, with a snapshot taken after they are
+/* Step 2, when step 1 locked at most half a batch of heads, with a snapshot taken after they are
  * locked: up to $3 more pending due rows of each subscription after its head $2, in seq order,
  * locked (nobody else holds them: we hold the head), so that the batch is shared out between its
  * subscriptions. Each row carries the seq of the previous pending row of its subscription for the
@@ -229,13 +229,19 @@ int idemp_relay_claim_start(idem_relay_t *r, slot_t *sl, idem_error_t *err)
     return rc;
 }
 
-/* Step 2 after the heads of step 1: the rest of a batch's worth of rows, shared out between their
- * subscriptions (the gap filter keeps the batch at its size). */
+/* Rows step 2 reads after each of nheads heads: the rest of a batch, shared out evenly (so that
+ * no head falls out of the batch). */
+static int rows_per_head(const idem_relay_t *r, int nheads)
+{
+    return (r->cfg.batch - nheads) / nheads;
+}
+
+/* Step 2 after the heads of step 1. */
 static int read_rows(idem_relay_t *r, slot_t *sl, idemp_rows_t *heads, idem_error_t *err)
 {
     int nheads = idemp_rows_count(heads);
     char per[16];
-    snprintf(per, sizeof per, "%d", (r->cfg.batch + nheads - 1) / nheads - 1);
+    snprintf(per, sizeof per, "%d", rows_per_head(r, nheads));
     idemp_pgarray_t subs, seqs;
     idemp_pgarray_init(&subs);
     idemp_pgarray_init(&seqs);
@@ -271,9 +277,9 @@ int idemp_relay_claim_step(idem_relay_t *r, slot_t *sl, idemp_rows_t **rows, siz
         /* the next claim walks on from the last head (the results come in walk order) */
         snprintf(r->cursor, sizeof r->cursor, "%s", idemp_rows_get(res, nheads - 1, C_SUB));
         sl->heads = res;
-        if (nheads < r->cfg.batch)
+        if (rows_per_head(r, nheads) > 0)
             return read_rows(r, sl, res, err);
-        res = NULL; /* a whole batch of heads: nothing more to read */
+        res = NULL; /* (nearly) a whole batch of heads: nothing more to read */
     }
     sl->t_claim = idemp_now_ms();
     int rc = load_rows(r, sl, sl->heads, res, err);
