@@ -28,12 +28,12 @@ FLOW_BOUND_S = 20
 # the frozen relay carries on with its batch as it was.
 RELAY = ("--poll-interval", "50ms")
 
-# n rows of one subscription in one statement, payload field "n" = 1..n in emit order.
+# Rows of one subscription in one statement, payload field "n" = first..last in emit order.
 EMIT_SERIES = """
 SELECT count(idem_emit(%s, x.s, x.s::text || ':' || i,
                        jsonb_build_object('invoice_id', gen_random_uuid(), 'subscription_id',
                                           x.s, 'amount_cents', 100, 'currency', 'USD', 'n', i)))
-  FROM (SELECT %s::uuid AS s) x CROSS JOIN generate_series(1, %s) AS i"""
+  FROM (SELECT %s::uuid AS s) x CROSS JOIN generate_series(%s, %s) AS i"""
 
 # H's first pending row, and the first one nobody holds locked (they differ while a relay holds
 # H); rolled back at once.
@@ -85,12 +85,24 @@ def first_occurrences(ns):
     return out
 
 
+def emit_others(db):
+    """PER_OTHER events for each of OTHERS new subscriptions, one transaction each."""
+    others = [new_id() for _ in range(OTHERS)]
+    emit_many(db, [(TYPE, s, f"{s}:{n}", payload(subscription_id=s, n=n))
+                   for n in range(1, PER_OTHER + 1) for s in others], per_tx=1)
+    return others
+
+
+def others_sent(db, held_sub):
+    return db.count("event_outbox", "status = 'sent' AND subscription_id <> %s", held_sub)
+
+
 def run_freeze(db, queue, broker, relay_daemons):
     """H's backlog, relay1 frozen holding H, relay2 publishing the others. Returns (hung, others,
     relay1, relay2, H's sent rows at the freeze)."""
     declare_consumer_queue(broker, queue, [TYPE])
     hung = new_id()
-    assert db.scalar(EMIT_SERIES, TYPE, hung, HELD_ROWS) == HELD_ROWS
+    assert db.scalar(EMIT_SERIES, TYPE, hung, 1, HELD_ROWS) == HELD_ROWS
     relay1 = relay_daemons(RELAY, name="relay1-frozen")
     wait_until(lambda: sent_of(db, hung) > 0, 20, 0.01, "relay1 publishing H", [relay1])
     freeze_holding(relay1, db, hung)
@@ -100,13 +112,10 @@ def run_freeze(db, queue, broker, relay_daemons):
 
     relay2 = relay_daemons(RELAY, name="relay2")
     relay2.wait_ready()
-    others = [new_id() for _ in range(OTHERS)]
-    emit_many(db, [(TYPE, s, f"{s}:{n}", payload(subscription_id=s, n=n))
-                   for n in range(1, PER_OTHER + 1) for s in others], per_tx=1)
+    others = emit_others(db)
     total = OTHERS * PER_OTHER
     t0 = time.monotonic()
-    wait_until(lambda: db.count("event_outbox", "status = 'sent' AND subscription_id <> %s",
-                                hung) == total, FLOW_BOUND_S, 0.05,
+    wait_until(lambda: others_sent(db, hung) == total, FLOW_BOUND_S, 0.05,
                lambda: f"the {total} events of other subscriptions published while relay1 is "
                        f"frozen holding H (now {status_counts(db)})", [relay2])
     took = time.monotonic() - t0
@@ -160,3 +169,32 @@ def test_frozen_relay_killed_its_subscription_goes_on_in_order(db, servers, queu
     assert len(ns) - HELD_ROWS <= 800, f"{len(ns) - HELD_ROWS} duplicates"
     # What relay1 had marked sent before the freeze does not go out again.
     assert sum(1 for n in ns if n <= at_freeze) == at_freeze
+
+
+def test_head_waiting_for_a_retry_holds_only_its_long_backlog(db, servers, queue, broker,
+                                                              relay_daemons):
+    """The same shape with the head of the 5,000-row subscription waiting for a retry (its type
+    is bound to no queue: returned, an attempt spent, a minute's backoff): the other
+    subscriptions flow, and nothing behind the waiting head goes out."""
+    declare_consumer_queue(broker, queue, [TYPE])
+    held_sub = new_id()
+    emit_many(db, [("unbound.type", held_sub, f"{held_sub}:0", payload(subscription_id=held_sub,
+                                                                         n=0))])
+    assert db.scalar(EMIT_SERIES, TYPE, held_sub, 1, HELD_ROWS) == HELD_ROWS
+    relay = relay_daemons((*RELAY, "--backoff-base", "60s", "--backoff-max", "60s"))
+    head = "subscription_id = %s AND (payload->>'n')::int = 0 AND attempts = 1"
+    wait_until(lambda: db.count("event_outbox", head, held_sub) == 1, 20, 0.05,
+               "the held subscription's head returned once", [relay])
+    others = emit_others(db)
+    total = OTHERS * PER_OTHER
+    wait_until(lambda: others_sent(db, held_sub) == total, FLOW_BOUND_S, 0.05,
+               lambda: f"the {total} events of other subscriptions published while the head "
+                       f"of a 5,000-row subscription waits for its retry (now "
+                       f"{status_counts(db)})", [relay])
+    msgs = read_queue(broker, queue, expect=total)
+    assert relay.stop() == 0
+    check_others(msgs, others)
+    assert sent_of(db, held_sub) == 0, "rows went out behind a head waiting for its retry"
+    assert db.count("event_outbox", "subscription_id = %s AND status = 'pending' AND attempts = 0",
+                    held_sub) == HELD_ROWS
+    assert db.count("event_outbox", head, held_sub) == 1
