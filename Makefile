@@ -109,7 +109,7 @@ HANDLER_OBJS := $(HANDLER_SRCS:%.c=$(BUILD)/%.o)
 CLI_OBJS := $(CLI_SRCS:%.c=$(BUILD)/%.o)
 UNIT_BINS := $(UNIT_TESTS:%=$(BUILD)/%)
 
-.PHONY: all test check unit arch integration sanitize bench demo chaos install valgrind format format-check clean deps
+.PHONY: all test check unit arch integration sanitize bench demo chaos chaos-all install valgrind format format-check clean deps
 
 all: $(BUILD)/idem $(BUILD)/libidem.a $(BUILD)/libidem.so $(BUILD)/libidem.so.$(SOMAJOR)
 
@@ -195,11 +195,18 @@ demo: deps
 	/usr/bin/python3 scripts/demo.py --out $(BUILD)/demo
 
 # The chaos audit: the billing scenario at scale (>= 50,000 events) under injected faults, then
-# an exactly-once, in-order audit. SEED=n replays a run's scenario and fault plan; CHAOS_ARGS
-# passes more flags (e.g. CHAOS_ARGS=--quick). See scripts/chaos.py --help.
+# an exactly-once, in-order audit. SEED=n replays a run's scenario and fault plan; TOPOLOGY=plain
+# or partitioned (the default) picks the consumer group; CHAOS_ARGS passes more flags (e.g.
+# CHAOS_ARGS=--quick). chaos-all runs each of SEEDS (default 1 2 3 4 5) in both topologies, one
+# run at a time, and prints a table. See scripts/chaos.py --help.
 chaos: deps
 	$(MAKE) all
-	/usr/bin/python3 scripts/chaos.py $(if $(SEED),--seed $(SEED)) $(CHAOS_ARGS)
+	/usr/bin/python3 scripts/chaos.py $(if $(SEED),--seed $(SEED)) \
+		$(if $(TOPOLOGY),--topology $(TOPOLOGY)) $(CHAOS_ARGS)
+
+chaos-all: deps
+	$(MAKE) all
+	/usr/bin/python3 scripts/chaos.py --seeds "$(or $(SEEDS),1 2 3 4 5)" $(CHAOS_ARGS)
 
 install: all
 	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib/pkgconfig \

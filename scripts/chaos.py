@@ -2,21 +2,25 @@
 """scripts/chaos.py - idem's chaos audit (`make chaos`): the billing scenario at scale under
 injected faults, then an audit of the end state against a plan computed independently.
 
-    make chaos [SEED=n] [CHAOS_ARGS='--quick ...']
-    scripts/chaos.py [--quick] [--seed N] [--events N] [--subs N] [--duration S] ...
+    make chaos [SEED=n] [TOPOLOGY=plain|partitioned] [CHAOS_ARGS='--quick ...']
+    make chaos-all [SEEDS="1 2 3 4 5"]       each seed in both topologies, then a table
+    scripts/chaos.py [--quick] [--seed N] [--topology T] [--events N] [--subs N] ...
 
 Starts private PostgreSQL and RabbitMQ (scripts/services.sh) in a temporary directory, always
 stopped at exit; needs root, build/idem and Debian's python3 (pika, psycopg2).
 
 The run: a scenario of subscriptions and invoices (payment failures, payments, replays of the
 same operation) is committed by a few emitter connections, each subscription by one of them in
-a known order (scripts/chaos/emitter.py), while relays and a partitioned consumer group run
-with --heartbeat. Every 1-3 s a fault is injected (scripts/chaos/faults.py), from kills and
-crashes at idem's fault seams to server restarts, frozen AMQP links (scripts/chaos/proxy.py
-sits between every daemon and RabbitMQ), cancelled and terminated backends, a lock on the
-outbox and SQLSTATEs 25006 and 53100 raised by triggers (scripts/chaos/schema.sql). Then the
-outbox and queues must drain, every daemon must stop cleanly on SIGTERM, and the audit
-(scripts/chaos/audit.py) must pass on every line. Exit 0 only then.
+a known order (scripts/chaos/emitter.py), while relays and a consumer group run with
+--heartbeat: in the plain topology two processes on the one queue (one active, one standing
+by), in the partitioned one three processes on --partitions 2. Every 1-3 s a fault is injected
+(scripts/chaos/faults.py), from kills, stops and crashes at idem's fault seams to server
+restarts (RabbitMQ's with a backlog in the queues), frozen, half-open and reset AMQP links
+(scripts/chaos/proxy.py sits between every daemon and RabbitMQ), cancelled and terminated
+backends, a lock on the outbox and SQLSTATEs 25006 and 53100 raised by triggers
+(scripts/chaos/schema.sql). Then the outbox and queues must drain, every daemon must stop
+cleanly on SIGTERM, and the audit (scripts/chaos/audit.py) must pass on every line. Exit 0 only
+then. --seeds runs several (scripts/chaos/matrix.py), each in its own process.
 
 The seed fixes the scenario and the fault plan (kinds, times, targets' random choices); the
 interleaving of threads and processes differs from run to run.
@@ -24,6 +28,7 @@ interleaving of threads and processes differs from run to run.
 
 import argparse
 import contextlib
+import json
 import os
 import random
 import re
@@ -46,15 +51,18 @@ import audit  # noqa: E402
 import emitter  # noqa: E402
 import faults  # noqa: E402
 import idem_harness as H  # noqa: E402
+import matrix  # noqa: E402
 import proxy  # noqa: E402
 import scenario  # noqa: E402
 
 CONSUMER = "billing"
+# topology -> (--partitions, consumer processes)
+TOPOLOGIES = {"plain": (1, 2), "partitioned": (2, 3)}
 QUEUE = "billing.events.q"
 DEMO_SCHEMA = os.path.join(ROOT, "scripts", "demo", "schema.sql")
 CHAOS_SCHEMA = os.path.join(HERE, "chaos", "schema.sql")
 STOP_GRACE_S = 15  # a daemon must exit within this long after SIGTERM
-FAULT_MAX_DELAY_S = 30  # longest a fault waits for its preconditions (e.g. an open AMQP link)
+FAULT_MAX_DELAY_S = 60  # longest a fault waits for its preconditions (e.g. an open AMQP link)
 FAULT_MIN_GAP_S = 1.0  # between two faults, also when some were held back
 CONSUMER_METRICS = {"applied": "idem_consumer_applied_total",
                     "duplicates": "idem_consumer_duplicates_total",
@@ -87,10 +95,15 @@ def parse_args(argv):
                     help="share of operations run twice with the same dedup key (10)")
     ap.add_argument("--emitters", type=int, default=4, help="emitter connections (4)")
     ap.add_argument("--relays", type=int, default=2, help="relay processes (2)")
-    ap.add_argument("--consumers", type=int, default=3,
-                    help="consumer processes in the one consumer group (3)")
-    ap.add_argument("--partitions", type=int, default=2,
-                    help="--partitions of the consumer group; 1 runs without the flag (2)")
+    ap.add_argument("--topology", choices=sorted(TOPOLOGIES), default="partitioned",
+                    help="plain: one queue, consumed by 2 processes (one active, one standing "
+                    "by); partitioned: --partitions 2, 3 processes on both partitions "
+                    "(default partitioned)")
+    ap.add_argument("--consumers", type=int,
+                    help="consumer processes in the one consumer group (the topology's)")
+    ap.add_argument("--partitions", type=int,
+                    help="--partitions of the consumer group; 1 runs without the flag "
+                    "(the topology's)")
     ap.add_argument("--heartbeat", default="2s",
                     help="--heartbeat of every daemon; 'off' runs without the flag (2s)")
     ap.add_argument("--faults", default="all",
@@ -101,8 +114,21 @@ def parse_args(argv):
     ap.add_argument("--workdir", help="directory for servers and logs (default: a new one "
                     "under /tmp; kept after a failed run or with --keep)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--summary", help="write the run's figures and audit lines to this JSON file")
+    ap.add_argument("--seeds", help="run each of these seeds (space or comma separated) in each "
+                    "--topologies, one run at a time, then print one table (make chaos-all)")
+    ap.add_argument("--topologies", default="plain,partitioned",
+                    help="with --seeds: the topologies to run (plain,partitioned)")
     a = ap.parse_args(argv)
     a.argv = list(argv)
+    if a.seeds is not None:
+        try:
+            a.seeds = matrix.parse_seeds(a.seeds)
+        except ValueError:
+            ap.error("--seeds: integers, space or comma separated")
+        a.topologies = [t.strip() for t in a.topologies.split(",") if t.strip()]
+        if not a.topologies or any(t not in TOPOLOGIES for t in a.topologies):
+            ap.error("--topologies: a comma list of " + ", ".join(sorted(TOPOLOGIES)))
     quick = a.quick
     a.events = a.events or (3000 if quick else 52000)
     a.subs = a.subs or (100 if quick else 600)
@@ -113,8 +139,13 @@ def parse_args(argv):
         a.fault_kinds = faults.parse_kinds(a.faults)
     except ValueError as e:
         ap.error(str(e))
-    if a.partitions == 1:
-        a.fault_kinds.discard("ring-move")  # there is no ring
+    parts, procs = TOPOLOGIES[a.topology]
+    a.partitions = parts if a.partitions is None else a.partitions
+    a.consumers = procs if a.consumers is None else a.consumers
+    hb = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s)?", a.heartbeat)
+    if a.heartbeat != "off" and not hb:
+        ap.error("--heartbeat: a duration (e.g. 2s) or off")
+    a.heartbeat_s = None if not hb else float(hb.group(1)) / (1000 if hb.group(2) == "ms" else 1)
     if a.subs < 1 or a.events < a.subs or a.emitters < 1 or a.relays < 1 or a.consumers < 1:
         ap.error("need --subs >= 1, --events >= --subs, and at least one emitter, relay, consumer")
     if a.partitions < 1:
@@ -126,10 +157,12 @@ def replay_args(a):
     """The command-line flags that reproduce this run's scenario and fault plan."""
     out, words = [], iter(a.argv)
     for w in words:
-        if w in ("--seed", "--workdir"):
+        if w in ("--seed", "--workdir", "--summary"):
             next(words, None)
-        elif not (w.startswith(("--seed=", "--workdir=")) or w == "--keep"):
+        elif not (w.startswith(("--seed=", "--workdir=", "--summary=")) or w == "--keep"):
             out.append(w)
+    if "--topology" not in out and not any(w.startswith("--topology=") for w in out):
+        out = ["--topology", a.topology] + out
     return ["--seed", str(a.seed)] + out
 
 
@@ -149,6 +182,7 @@ class Proc:
         self.instances = 0
         self.spawned = 0.0
         self.expect = None  # 'kill' (we SIGKILLed it) or 'term' (we sent SIGTERM)
+        self.stopped = False  # SIGSTOPped (stop-relay), until SIGCONT
         self.next_fault = None  # IDEM_FAULT of the restart after an expected exit
         self.term_deadline = 0.0
         self.last = {}  # the current instance's last scrape
@@ -242,6 +276,9 @@ class Run:
         P = args.partitions
         self.work_queues = [f"{QUEUE}.p{i}" for i in range(P)] if P > 1 else [QUEUE]
         self.dlq = QUEUE + ".dlq"
+        self.heartbeat_s = args.heartbeat_s
+        # rmq-restart waits for this many messages ready in the work queues
+        self.backlog_target = min(2000, max(100, args.events // 25))
 
     # ------------------------------------------------------------------ output
 
@@ -345,6 +382,11 @@ class Run:
             cur.execute("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM chaos.refused")
             return cur.fetchone()[0]
 
+    def queue_depths(self):
+        """{work queue: messages ready}, asked of the broker directly (not through a proxy)."""
+        infos = H.Broker(self.servers.amqp_url).queue_infos(self.work_queues)
+        return {q: (i[0] if i else 0) for q, i in infos.items()}
+
     # ------------------------------------------------------------------ daemons
 
     def daemon_flags(self):
@@ -410,7 +452,7 @@ class Run:
         now = time.monotonic()
         cands = sorted((p for p in self.procs.values()
                         if p.role == role and p.running() and p.expect is None
-                        and now - p.spawned >= min_age),
+                        and not p.stopped and now - p.spawned >= min_age),
                        key=lambda p: p.name)
         if not cands:
             return None
@@ -471,7 +513,7 @@ class Run:
             self.spawn(p, nxt)
 
     def scrape(self, p):
-        if not p.running():
+        if not p.running() or p.stopped:
             return
         m = H.read_metrics(p.metrics_port, timeout=0.5)
         if m is None:
@@ -541,7 +583,8 @@ class Run:
 
     def execute(self):
         a = self.a
-        self.say(f"idem chaos audit, seed {a.seed}")
+        self.say(f"idem chaos audit, seed {a.seed}, topology {a.topology} (--partitions "
+                 f"{a.partitions}, {a.consumers} consumer processes)")
         self.say(f"  replay with: scripts/chaos.py {' '.join(replay_args(a))}")
         self.say(f"  work directory {self.work}")
         plan = scenario.Scenario(a.seed, a.subs, a.events, a.replay_pct)
@@ -760,6 +803,8 @@ class Run:
             self.say(f"  {'PASS' if ln.ok else 'FAIL'}  {ln.what}")
             self.say(f"        {ln.figures}")
         fails = sum(not ln.ok for ln in lines)
+        if a.summary:
+            self.write_summary(len(st["outbox"]), kinds, plan_faults, drained_after, lines)
         self.say("")
         if fails == 0:
             self.say(f"PASS: every event took effect exactly once, in order, under "
@@ -768,6 +813,16 @@ class Run:
             self.say(f"FAIL: {fails} of {len(lines)} audit lines failed (seed {a.seed}); "
                      f"logs in {self.logs}")
         return fails == 0
+
+    def write_summary(self, events, kinds, plan_faults, drained_after, lines):
+        a = self.a
+        out = {"seed": a.seed, "topology": a.topology, "partitions": a.partitions,
+               "consumers": a.consumers, "events": events, "faults": dict(sorted(kinds.items())),
+               "rmq_backlog": [f.backlog for f in plan_faults if f.backlog is not None],
+               "drain_s": drained_after, "ok": all(ln.ok for ln in lines), "logs": self.logs,
+               "lines": [{"ok": ln.ok, "what": ln.what, "figures": ln.figures} for ln in lines]}
+        with open(a.summary, "w") as f:
+            json.dump(out, f, indent=1)
 
     def cleanup(self, keep):
         self.stop_flag.set()
@@ -797,6 +852,8 @@ class Run:
 
 def main(argv):
     a = parse_args(argv)
+    if a.seeds is not None:
+        return matrix.run_all(os.path.abspath(__file__), a.seeds, a.topologies, argv)
     if os.geteuid() != 0:
         sys.exit("chaos: run as root (the private PostgreSQL runs as user postgres)")
     if not os.access(H.IDEM, os.X_OK):

@@ -6,11 +6,14 @@ thread that forked). Faults that last (server restarts, a frozen link, a held lo
 window) run in a thread each; the schedule starts them and goes on.
 """
 
+import contextlib
+import os
 import random
+import signal
 import threading
 import time
+from collections import Counter
 
-import pika
 import psycopg2
 
 # kind -> (group, what it does)
@@ -21,13 +24,15 @@ KINDS = {
     "seam-after-commit": ("process", "restart a consumer with IDEM_FAULT=consumer.after_commit:N"),
     "seam-after-publish": ("process", "restart a relay with IDEM_FAULT=relay.after_publish:N"),
     "pg-restart": ("server", "pg_ctl -m immediate stop, then start PostgreSQL (once)"),
-    "rmq-restart": ("server", "stop, then start RabbitMQ (once)"),
-    "ring-move": ("server", "bind the partitions to the hash exchange again in another order: "
-                            "subscriptions move between partitions, as after a RabbitMQ restart "
-                            "(only when named: with backlogs it can stall the group, README "
-                            "'When the broker moves a subscription')"),
+    "stop-relay": ("process", "SIGSTOP a relay for 3-8 s, then SIGCONT"),
+    "rmq-restart": ("server", "stop, then start RabbitMQ while the work queues hold a backlog "
+                              "(the consumers' links frozen until it builds up; once)"),
     "freeze-resume": ("link", "freeze a daemon's AMQP link for 2-8 s, then resume it"),
     "freeze-drop": ("link", "freeze a daemon's AMQP link for 2-8 s, then reset it"),
+    "half-open-reset": ("link", "freeze a daemon's AMQP link past its heartbeat timeout while "
+                                "the proxy keeps the broker's side alive (the broker keeps the "
+                                "old connection's unacked deliveries as the daemon reconnects), "
+                                "then reset it"),
     "pg-cancel": ("db", "pg_cancel_backend on a busy idem connection"),
     "pg-terminate": ("db", "pg_terminate_backend on an idem connection"),
     "lock-outbox": ("db", "LOCK TABLE event_outbox IN ACCESS EXCLUSIVE MODE for 7 s"),
@@ -37,9 +42,14 @@ KINDS = {
 ONCE = {"pg-restart", "rmq-restart"}
 # Relative frequency once every kind has had its turn.
 WEIGHTS = {"kill-relay": 3, "kill-consumer": 3, "seam-before-commit": 1, "seam-after-commit": 2,
-           "seam-after-publish": 2, "freeze-resume": 1, "freeze-drop": 1, "pg-cancel": 2,
-           "pg-terminate": 2, "lock-outbox": 1, "sqlstate-25006": 1, "sqlstate-53100": 1,
-           "ring-move": 1}
+           "seam-after-publish": 2, "stop-relay": 1, "freeze-resume": 1, "freeze-drop": 1,
+           "half-open-reset": 2, "pg-cancel": 2, "pg-terminate": 2, "lock-outbox": 1,
+           "sqlstate-25006": 1, "sqlstate-53100": 1}
+# Kinds aimed at a daemon's link, taken by a consumer and by a relay in turn: so each run hits
+# both roles, the kind's first turns come this many times at least.
+LINK_KINDS = ("freeze-resume", "freeze-drop", "half-open-reset")
+MIN_TURNS = {k: 2 for k in LINK_KINDS}
+BACKLOG_WAIT_S = 12.0  # longest rmq-restart waits for its backlog with the consumers frozen
 LOCK_HOLD_S = 7.0  # longer than the daemons' lock timeout (5 s)
 # How long the LOCK statement itself may wait: longer than the daemons' lock timeout, so that a
 # daemon blocked behind the queued request times out and lets it through, as with a real DDL.
@@ -56,9 +66,6 @@ def first_line(e):
     return text.splitlines()[0] if text else type(e).__name__
 
 
-# Kinds that "all" and the groups leave out: they are run by name.
-OPT_IN = {"ring-move"}
-
 
 def parse_kinds(spec):
     """'all', 'none', or a comma list of kinds and groups (process, server, link, db);
@@ -70,11 +77,11 @@ def parse_kinds(spec):
     for word in spec.split(","):
         word = word.strip()
         if word == "all":
-            out |= set(KINDS) - OPT_IN
+            out |= set(KINDS)
         elif word in KINDS:
             out.add(word)
         elif word in {g for g, _ in KINDS.values()}:
-            out |= {k for k, (g, _) in KINDS.items() if g == word} - OPT_IN
+            out |= {k for k, (g, _) in KINDS.items() if g == word}
         else:
             raise ValueError(f"unknown fault kind or group {word!r}")
     return out
@@ -93,6 +100,7 @@ class Fault:
         self.detail = ""
         self.ok = None  # True: injected as planned; False: could not be (detail says why)
         self.refused = None  # writes refused during a SQLSTATE window
+        self.backlog = None  # rmq-restart: messages ready in the work queues at the stop
         self.thread = None
 
     def over(self):
@@ -101,9 +109,9 @@ class Fault:
 
 def schedule(seed, kinds, window, min_gap=1.0, max_gap=3.0, first=2.0):
     """Faults every min_gap..max_gap s from `first` until `window`, and on until every kind in
-    `kinds` had its turn: each kind once in random order first, then by WEIGHTS."""
+    `kinds` had its turn: each kind once (MIN_TURNS) in random order first, then by WEIGHTS."""
     rng = random.Random(f"faults-{seed}")
-    todo = sorted(kinds)
+    todo = [k for k in sorted(kinds) for _ in range(MIN_TURNS.get(k, 1))]
     rng.shuffle(todo)
     repeat = [k for k in sorted(kinds) if k not in ONCE]
     out, t = [], first
@@ -120,16 +128,20 @@ def schedule(seed, kinds, window, min_gap=1.0, max_gap=3.0, first=2.0):
 
 
 class Injector:
-    """Injects faults into a run. `run` gives: servers, listeners (name -> proxy Listener),
-    stop_flag, now(), event(text), admin_conn(), set_fault_sqlstate(code), backend_owners(),
-    and the main-thread process actions pick_proc, kill_proc and restart_proc."""
+    """Injects faults into a run. `run` gives: servers, procs (name -> daemon slot: role,
+    recent, stopped), listeners (name -> proxy Listener), heartbeat_s, backlog_target,
+    queue_depths(), stop_flag, now(), event(text), admin_conn(), set_fault_sqlstate(code),
+    backend_owners(), and the main-thread process actions pick_proc, kill_proc and
+    restart_proc."""
 
     def __init__(self, run, seed):
         self.run = run
         self.rng = random.Random(f"inject-{seed}")
-        self.active = set()  # kinds of faults in progress (threads)
+        self.active = Counter()  # kinds of faults in progress (threads), with their numbers
+        self.busy_links = set()  # names of the daemons whose link a fault holds
         self.lock = threading.Lock()
         self.threads = []
+        self.turns = Counter()  # link faults injected so far, by kind
 
     def pause(self, seconds):
         """Sleeps; True if the run is being stopped meanwhile (the fault then ends early)."""
@@ -146,7 +158,7 @@ class Injector:
     def ready(self, kind):
         """Whether kind may start now; a fault that may not waits (and the ones behind it)."""
         with self.lock:
-            active = set(self.active)
+            active = {k for k, n in self.active.items() if n > 0}
         if kind in active:
             return False
         group = KINDS[kind][0]
@@ -162,17 +174,18 @@ class Injector:
             return False
         if kind == "lock-outbox" and db_active & {"sqlstate-25006", "sqlstate-53100"}:
             return False
-        if group == "link" and ("rmq-restart" in active or
-                                not any(ln.open_links() for ln in self.run.listeners.values())):
+        if group == "link" and ("rmq-restart" in active or not self.link_names()):
             return False
-        if kind == "rmq-restart" and active & {"freeze-resume", "freeze-drop", "ring-move"}:
+        if group == "link" and self.link_role(kind) == "consumer" and not self.link_names(
+                "consumer"):
+            return False  # a consumer's turn, and none is connected now
+        if kind == "rmq-restart" and active & set(LINK_KINDS):
             return False
-        if kind == "ring-move" and "rmq-restart" in active:
-            return False  # it needs the broker
         if group == "process":
             if kind.startswith("seam-") and "pg-restart" in active:
                 return False  # a graceful stop needs its server
-            role = "relay" if kind in ("kill-relay", "seam-after-publish") else "consumer"
+            role = "relay" if kind in ("kill-relay", "seam-after-publish", "stop-relay") \
+                else "consumer"
             min_age = 2.0 if kind.startswith("seam-") else 0.0
             if self.run.pick_proc(role, random.Random(0), min_age) is None:
                 return False  # every daemon of the role is restarting
@@ -180,21 +193,21 @@ class Injector:
 
     def idle(self):
         with self.lock:
-            return not self.active
+            return not any(self.active.values())
 
     # ------------------------------------------------------------------ injection
 
     def inject(self, f):
         f.started = time.monotonic()
         f.started_at = self.run.now()
-        handler = {"kill": self._kill, "seam": self._seam, "pg": self._pg, "rmq": self._rmq,
-                   "freeze": self._freeze, "lock": self._lock, "ring": self._ring,
-                   "sqlstate": self._sqlstate}[f.kind.split("-")[0]]
+        handler = {"kill": self._kill, "seam": self._seam, "stop": self._stop, "pg": self._pg,
+                   "rmq": self._rmq, "freeze": self._freeze, "half": self._freeze,
+                   "lock": self._lock, "sqlstate": self._sqlstate}[f.kind.split("-")[0]]
         handler(f)
 
     def _in_thread(self, f, body):
         with self.lock:
-            self.active.add(f.kind)
+            self.active[f.kind] += 1
 
         def main():
             try:
@@ -207,7 +220,7 @@ class Injector:
             finally:
                 f.ended = time.monotonic()
                 with self.lock:
-                    self.active.discard(f.kind)
+                    self.active[f.kind] -= 1
                 self.run.event(f"{f.kind} over: {f.target} {f.detail}".rstrip())
 
         f.thread = threading.Thread(target=main, name=f.kind, daemon=True)
@@ -272,41 +285,64 @@ class Injector:
         self._in_thread(f, self._rmq_restart)
 
     def _rmq_restart(self, f):
-        t0 = time.monotonic()
-        self.run.servers.rmq_stop()
-        self.run.event("RabbitMQ stopped")
+        """Freezes the consumers' links (and holds their new ones frozen) until the work queues
+        hold a backlog, stops RabbitMQ with it, then resets those links and starts RabbitMQ."""
+        lns = [self.run.listeners[n] for n, p in sorted(self.run.procs.items())
+               if p.role == "consumer"]
+        target = self.run.backlog_target
+        try:
+            for ln in lns:
+                ln.hold(True)
+                ln.freeze()
+            t0 = time.monotonic()
+            while True:
+                depth = self.run.queue_depths()
+                if sum(depth.values()) >= target or time.monotonic() - t0 > BACKLOG_WAIT_S:
+                    break
+                if self.pause(0.3):
+                    return
+            t1 = time.monotonic()
+            self.run.servers.rmq_stop()
+        finally:
+            for ln in lns:
+                ln.hold(False)
+                ln.drop(ln.open_links())
+        ready = sum(depth.values())
+        f.backlog = ready
+        self.run.event(f"RabbitMQ stopped with {ready} messages ready in the work queues ("
+                       + ", ".join(f"{q.rsplit('.', 1)[1]} {n}" for q, n in depth.items())
+                       + f"; consumers' links frozen {t1 - t0:.1f} s)")
         if self.pause(self.rng.uniform(1.0, 3.0)):
             return
         self.run.servers.rmq_start()
-        f.detail = f"down {time.monotonic() - t0:.1f} s"
+        f.detail = f"{ready} ready at the stop, down {time.monotonic() - t1:.1f} s"
+        if ready == 0:
+            f.ok = False
+            f.detail += "; no backlog"
 
-    def _ring(self, f):
-        parts = self.run.work_queues
-        f.target = parts[0].rsplit(".p", 1)[0] + ".hash"
-        if len(parts) < 2:
-            f.detail = "no partitions"
+    # processes stopped and continued
+
+    def _stop(self, f):
+        p = self.run.pick_proc("relay", self.rng)
+        if p is None:
+            f.detail = "no running relay"
             return self._done(f, False)
-        self._in_thread(f, self._ring_move)
+        hold = self.rng.uniform(3.0, 8.0)
+        pid = p.pid()
+        f.target = p.name
+        p.stopped = True
+        os.kill(pid, signal.SIGSTOP)
 
-    def _ring_move(self, f):
-        """Unbinds every partition from the hash exchange and binds them again in a new order:
-        the ring numbers its buckets in binding order, so subscriptions change partition."""
-        parts = self.run.work_queues
-        current = getattr(self, "ring_order", sorted(parts))
-        order = list(current)
-        while order == current:
-            self.rng.shuffle(order)
-        conn = pika.BlockingConnection(pika.URLParameters(self.run.servers.amqp_url))
-        try:
-            ch = conn.channel()
-            for q in parts:
-                ch.queue_unbind(q, f.target, routing_key="1")
-            for q in order:
-                ch.queue_bind(q, f.target, routing_key="1")
-        finally:
-            conn.close()
-        self.ring_order = order
-        f.detail = "partitions bound in the order " + ", ".join(q.rsplit(".", 1)[1] for q in order)
+        def body(f):
+            try:
+                self.pause(hold)
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+                p.stopped = False
+            f.detail = f"pid {pid} SIGSTOP, SIGCONT {hold:.1f} s later"
+
+        self._in_thread(f, body)
 
     def _backend(self, f, func):
         """Cancels or terminates an idem backend, preferring one inside a statement or a
@@ -345,28 +381,68 @@ class Injector:
 
     # the AMQP link
 
+    def link_role(self, kind):
+        """The role whose link this turn of kind freezes: a consumer, then a relay, then any."""
+        n = self.turns[kind]
+        return ("consumer", "relay")[n] if n < 2 else None
+
+    def link_names(self, role=None):
+        """Daemons of role (any: None) with an open link that no other fault holds."""
+        return sorted(n for n, ln in self.run.listeners.items()
+                      if ln.open_links() and n not in self.busy_links
+                      and role in (None, self.run.procs[n].role))
+
     def _freeze(self, f):
-        names = [n for n, ln in self.run.listeners.items() if ln.open_links()]
+        role = self.link_role(f.kind)
+        self.turns[f.kind] += 1
+        names = self.link_names(role) or self.link_names()
         if not names:
             f.detail = "no open AMQP link"
             return self._done(f, False)
-        name = self.rng.choice(sorted(names))
-        hold = self.rng.uniform(2.0, 8.0)
-        drop = f.kind == "freeze-drop"
+        # A daemon that did work lately (the active consumer) three times as often.
+        weights = [3 if self.run.procs[n].recent > 0 else 1 for n in names]
+        name = self.rng.choices(names, weights)[0]
+        hb = self.run.heartbeat_s
+        keepalive = None
+        if f.kind == "half-open-reset":
+            # Past the daemon's two heartbeats, so it reconnects while the broker keeps the
+            # old connection (heartbeats forged at half the interval).
+            hold = (3 * hb if hb else 6.0) + self.rng.uniform(1.0, 3.0)
+            keepalive = max(0.5, (hb or 2.0) / 2)
+        else:
+            hold = self.rng.uniform(2.0, 8.0)
+        drop = f.kind != "freeze-resume"
         f.target = f"{name}'s link"
 
+        self.busy_links.add(name)
+
         def body(f):
+            try:
+                hold_link(f)
+            finally:
+                self.busy_links.discard(name)
+
+        def hold_link(f):
             listener = self.run.listeners[name]
-            links = listener.freeze()
-            f.detail = f"{len(links)} connection(s) frozen {hold:.1f} s, then " + \
+            accepted = listener.accepted
+            links = listener.freeze(keepalive)
+            how = "half-open" if keepalive else "frozen"
+            f.detail = f"{len(links)} connection(s) {how} {hold:.1f} s, then " + \
                 ("reset" if drop else "resumed")
             if not links:
                 raise RuntimeError("no open connection to freeze")
             self.pause(hold)
+            again = listener.accepted - accepted
             if drop:
                 listener.drop(links)
             else:
                 listener.resume(links)
+            if keepalive:
+                f.detail += (f" ({sum(ln.heartbeats_sent for ln in links)} heartbeats forged;"
+                             f" {again} new connection(s) meanwhile)")
+                if again == 0 and hb:
+                    f.ok = False
+                    f.detail += "; the daemon did not reconnect while half-open"
 
         self._in_thread(f, body)
 
