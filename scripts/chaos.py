@@ -646,12 +646,14 @@ class Run:
                         self.scrape(p)
                 next_scrape = now + 1.0
             # Faults, in plan order; one that may not start yet holds the ones behind it, for
-            # FAULT_MAX_DELAY_S at most (then it is tried anyway, and reported if it fails).
+            # FAULT_MAX_DELAY_S at most (then it is tried anyway, and reported if it fails),
+            # or for as long as a conflicting fault lasts (inj.blocked).
             # Faults held back start at least FAULT_MIN_GAP_S apart, not all at once.
             while (next_fault < len(plan_faults) and plan_faults[next_fault].at <= self.now()
                    and now >= fault_not_before):
                 f = plan_faults[next_fault]
-                if not inj.ready(f.kind) and self.now() - f.at < FAULT_MAX_DELAY_S:
+                if not inj.ready(f.kind) and (self.now() - f.at < FAULT_MAX_DELAY_S
+                                              or inj.blocked(f.kind)):
                     break
                 inj.inject(f)
                 next_fault += 1

@@ -155,10 +155,22 @@ class Injector:
 
     # ------------------------------------------------------------------ readiness
 
+    def active_kinds(self):
+        with self.lock:
+            return {k for k, n in self.active.items() if n > 0}
+
+    def blocked(self, kind):
+        """Whether kind must wait however long it has waited: the same kind, or a restart of the
+        server it needs, is in progress (RabbitMQ's can take a minute with a backlog)."""
+        active = self.active_kinds()
+        group = KINDS[kind][0]
+        return kind in active or (group == "link" and "rmq-restart" in active) or (
+            group == "db" and "pg-restart" in active) or (
+            kind == "rmq-restart" and bool(active & set(LINK_KINDS)))
+
     def ready(self, kind):
         """Whether kind may start now; a fault that may not waits (and the ones behind it)."""
-        with self.lock:
-            active = {k for k, n in self.active.items() if n > 0}
+        active = self.active_kinds()
         if kind in active:
             return False
         group = KINDS[kind][0]
