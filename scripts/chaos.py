@@ -28,7 +28,6 @@ interleaving of threads and processes differs from run to run.
 
 import argparse
 import contextlib
-import json
 import os
 import random
 import re
@@ -47,34 +46,20 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "harness"))
 
 import psycopg2  # noqa: E402
 
-import audit  # noqa: E402
 import emitter  # noqa: E402
 import faults  # noqa: E402
 import idem_harness as H  # noqa: E402
 import matrix  # noqa: E402
-import proxy  # noqa: E402
 import scenario  # noqa: E402
+from daemons import CONSUMER, QUEUE, Daemons, Monitor  # noqa: E402
+from report import Reporting  # noqa: E402
 
-CONSUMER = "billing"
 # topology -> (--partitions, consumer processes)
 TOPOLOGIES = {"plain": (1, 2), "partitioned": (2, 3)}
-QUEUE = "billing.events.q"
 DEMO_SCHEMA = os.path.join(ROOT, "scripts", "demo", "schema.sql")
 CHAOS_SCHEMA = os.path.join(HERE, "chaos", "schema.sql")
-STOP_GRACE_S = 15  # a daemon must exit within this long after SIGTERM
 FAULT_MAX_DELAY_S = 60  # longest a fault waits for its preconditions (e.g. an open AMQP link)
 FAULT_MIN_GAP_S = 1.0  # between two faults, also when some were held back
-CONSUMER_METRICS = {"applied": "idem_consumer_applied_total",
-                    "duplicates": "idem_consumer_duplicates_total",
-                    "dead_lettered": "idem_consumer_dead_lettered_total",
-                    "paused": "idem_consumer_paused_total",
-                    "handler_errors": "idem_consumer_handler_errors_total",
-                    "reconnects": "idem_reconnects_total"}
-RELAY_METRICS = {"published": "idem_relay_published_total",
-                 "publish_failures": "idem_relay_publish_failures_total",
-                 "parked": "idem_relay_parked_total",
-                 "reconnects": "idem_reconnects_total"}
-
 
 class Interrupted(Exception):
     pass
@@ -166,90 +151,7 @@ def replay_args(a):
     return ["--seed", str(a.seed)] + out
 
 
-class Proc:
-    """One daemon slot (relay1, consumer2, ...): its process across restarts, its own proxy
-    port to RabbitMQ, its metrics port, and its counters summed over instances."""
-
-    def __init__(self, name, role, argv, run):
-        self.name = name
-        self.role = role
-        self.metrics_port = H.free_port()
-        self.listener = proxy.Listener(name, ("127.0.0.1", run.amqp_port))
-        amqp = f"amqp://guest:guest@127.0.0.1:{self.listener.port}"
-        self.daemon = H.Daemon(name, argv + ["--metrics-port", str(self.metrics_port)],
-                               run.logs, run.servers.pg_url, amqp,
-                               logpath=os.path.join(run.logs, f"{name}.log"), new_session=True)
-        self.instances = 0
-        self.spawned = 0.0
-        self.expect = None  # 'kill' (we SIGKILLed it) or 'term' (we sent SIGTERM)
-        self.stopped = False  # SIGSTOPped (stop-relay), until SIGCONT
-        self.next_fault = None  # IDEM_FAULT of the restart after an expected exit
-        self.term_deadline = 0.0
-        self.last = {}  # the current instance's last scrape
-        self.base = Counter()  # summed over the earlier instances
-        self.recent = 0.0  # applied/published between the last two scrapes
-
-    def pid(self):
-        return self.daemon.proc.pid if self.daemon.proc else None
-
-    def running(self):
-        return self.daemon.running()
-
-    def metric(self, key):
-        return self.base[key] + self.last.get(key, 0.0)
-
-
-class Monitor(threading.Thread):
-    """Samples the outbox, the ledger and the queues about once a second on its own
-    connections, so that a stalled server never stalls the run's main loop."""
-
-    def __init__(self, run):
-        super().__init__(name="monitor", daemon=True)
-        self.run_ = run
-        self.stop = threading.Event()
-        self.snap = None  # (monotonic time, db dict or None, {queue: ready or None} or None)
-        self.conn = None
-
-    def db_sample(self):
-        if self.conn is None or self.conn.closed:
-            self.conn = psycopg2.connect(self.run_.servers.pg_url, connect_timeout=2,
-                                         application_name="chaos-monitor",
-                                         options="-c lock_timeout=300 -c statement_timeout=3000")
-            self.conn.autocommit = True
-        with self.conn.cursor() as cur:
-            cur.execute("SELECT count(*), count(*) FILTER (WHERE status = 'pending'),"
-                        " count(*) FILTER (WHERE status = 'sent'),"
-                        " count(*) FILTER (WHERE status = 'failed') FROM event_outbox")
-            total, pending, sent, failed = cur.fetchone()
-            cur.execute("SELECT count(*) FROM consumed_events WHERE consumer = %s", (CONSUMER,))
-            ledger = cur.fetchone()[0]
-        return {"total": total, "pending": pending, "sent": sent, "failed": failed,
-                "ledger": ledger}
-
-    def run(self):
-        broker = H.Broker(self.run_.servers.amqp_url)
-        queues = self.run_.work_queues + [self.run_.dlq]
-        while not self.stop.is_set():
-            t = time.monotonic()
-            try:
-                db = self.db_sample()
-            except psycopg2.Error:
-                db = None
-                with contextlib.suppress(Exception):
-                    self.conn.close()
-                self.conn = None
-            try:
-                infos = broker.queue_infos(queues)
-                q = {name: (None if i is None else i[0]) for name, i in infos.items()}
-            except Exception:
-                q = None
-            self.snap = (t, db, q)
-            self.stop.wait(max(0.1, 1.0 - (time.monotonic() - t)))
-        with contextlib.suppress(Exception):
-            self.conn.close()
-
-
-class Run:
+class Run(Daemons, Reporting):
     def __init__(self, args):
         self.a = args
         self.t0 = None  # workload start (monotonic)
@@ -386,172 +288,6 @@ class Run:
         """{work queue: messages ready}, asked of the broker directly (not through a proxy)."""
         infos = H.Broker(self.servers.amqp_url).queue_infos(self.work_queues)
         return {q: (i[0] if i else 0) for q, i in infos.items()}
-
-    # ------------------------------------------------------------------ daemons
-
-    def daemon_flags(self):
-        hb = [] if self.a.heartbeat == "off" else ["--heartbeat", self.a.heartbeat]
-        parts = [] if self.a.partitions == 1 else ["--partitions", str(self.a.partitions)]
-        return hb, parts
-
-    def make_procs(self):
-        hb, parts = self.daemon_flags()
-        for i in range(1, self.a.consumers + 1):
-            p = Proc(f"consumer{i}", "consumer", [H.IDEM, "consume", "--consumer", CONSUMER,
-                                                  "--queue", QUEUE, *parts, *hb], self)
-            self.procs[p.name] = p
-        for i in range(1, self.a.relays + 1):
-            p = Proc(f"relay{i}", "relay", [H.IDEM, "relay", *hb], self)
-            self.procs[p.name] = p
-        self.listeners = {p.name: p.listener for p in self.procs.values()}
-
-    def spawn(self, p, fault=None):
-        p.daemon.set_fault(fault)
-        p.instances += 1
-        # libpq's application_name: the audit can tell which instance made each effect
-        p.daemon.env["PGAPPNAME"] = f"idem-{p.name}-{p.instances}"
-        with open(p.daemon.logpath, "a") as f:
-            f.write(f"---- {p.name} instance {p.instances} at {self.now():.1f}s"
-                    f"{' (IDEM_FAULT=' + fault + ')' if fault else ''}\n")
-        p.daemon.spawn()
-        p.spawned = time.monotonic()
-        p.last = {}
-        p.expect = None
-        if fault:
-            self.seams_armed[fault.split(":")[0]] += 1
-
-    def start_daemons(self):
-        """Starts the consumers together (as a deployment would), waits until every work queue
-        has a consumer, then starts the relays. A consumer that exits meanwhile is recorded and
-        restarted like at any other time; one that fails 3 times ends the run."""
-        for p in self.procs.values():
-            if p.role == "consumer":
-                self.spawn(p)
-        # The consumers declare the exchange, their queues and bindings: wait for them before
-        # anything is published, or the first events would be unroutable.
-        broker = H.Broker(self.servers.amqp_url)
-
-        def ready():
-            self.supervise()
-            for p in self.procs.values():
-                if p.role == "consumer" and p.instances > 3:
-                    raise RuntimeError(f"{p.name} keeps exiting at start; see {p.daemon.logpath}:"
-                                       f"\n{p.daemon.log()[-1500:]}")
-            infos = broker.queue_infos(self.work_queues + [self.dlq])
-            return all(i is not None for i in infos.values()) and all(
-                infos[q][1] >= 1 for q in self.work_queues)
-
-        H.wait_until(ready, 30, 0.2, f"consumers consuming from {', '.join(self.work_queues)}")
-        for p in self.procs.values():
-            if p.role == "relay":
-                self.spawn(p)
-
-    def pick_proc(self, role, rng, min_age=0.0):
-        """A running daemon of role to hit, up for min_age seconds at least; consumers that
-        applied events lately (the active ones) three times as often as standbys."""
-        now = time.monotonic()
-        cands = sorted((p for p in self.procs.values()
-                        if p.role == role and p.running() and p.expect is None
-                        and not p.stopped and now - p.spawned >= min_age),
-                       key=lambda p: p.name)
-        if not cands:
-            return None
-        weights = [3 if p.recent > 0 else 1 for p in cands]
-        return rng.choices(cands, weights)[0]
-
-    def kill_proc(self, p):
-        p.expect = "kill"
-        with contextlib.suppress(ProcessLookupError):
-            p.daemon.proc.kill()
-
-    def restart_proc(self, p, fault):
-        """SIGTERM now; the supervisor restarts it with IDEM_FAULT=fault once it exited."""
-        p.expect = "term"
-        p.next_fault = fault
-        p.term_deadline = time.monotonic() + STOP_GRACE_S
-        with contextlib.suppress(ProcessLookupError):
-            p.daemon.proc.terminate()
-
-    def retire(self, p):
-        for k, v in p.last.items():
-            p.base[k] += v
-        p.last = {}
-
-    def supervise(self):
-        """Restarts every daemon that exited; records the exits nobody planned."""
-        for p in self.procs.values():
-            proc = p.daemon.proc
-            if proc is None:
-                continue
-            rc = proc.poll()
-            if rc is None:
-                if p.expect == "term" and time.monotonic() > p.term_deadline:
-                    self.problems.append(f"{p.name} instance {p.instances} still running "
-                                         f"{STOP_GRACE_S} s after SIGTERM (killed)")
-                    p.expect = "kill"
-                    proc.kill()
-                continue
-            self.retire(p)
-            p.daemon.close()
-            fault = p.daemon.fault
-            if p.expect == "kill":
-                pass
-            elif rc == -signal.SIGKILL and fault:  # also while finishing its work on SIGTERM
-                point = fault.split(":")[0]
-                self.seams_fired[point] += 1
-                self.event(f"{p.name} crashed at {fault} (IDEM_FAULT); restarted")
-            elif p.expect == "term":
-                if rc != 0:
-                    self.problems.append(f"{p.name} instance {p.instances} exited {rc} on SIGTERM")
-                    self.event(f"{p.name} exited {rc} on SIGTERM (expected 0)")
-            else:
-                self.problems.append(f"{p.name} instance {p.instances} exited {rc} unplanned "
-                                     f"(see {p.daemon.logpath})")
-                self.event(f"{p.name} exited {rc} unplanned; restarted")
-            nxt = p.next_fault if p.expect == "term" else None
-            p.next_fault = None
-            self.spawn(p, nxt)
-
-    def scrape(self, p):
-        if not p.running() or p.stopped:
-            return
-        m = H.read_metrics(p.metrics_port, timeout=0.5)
-        if m is None:
-            return
-        names = CONSUMER_METRICS if p.role == "consumer" else RELAY_METRICS
-        vals = {k: H.metric_sum(m, name) for k, name in names.items()}
-        key = "applied" if p.role == "consumer" else "published"
-        p.recent = vals[key] - p.last.get(key, 0.0)
-        p.last = vals
-
-    def total(self, role, key):
-        return sum(p.metric(key) for p in self.procs.values() if p.role == role)
-
-    def stop_daemons(self):
-        """SIGTERM to every daemon; each must exit 0 within STOP_GRACE_S."""
-        for p in self.procs.values():
-            self.scrape(p)
-        live = [p for p in self.procs.values() if p.running()]
-        for p in live:
-            p.daemon.proc.terminate()
-        deadline = time.monotonic() + STOP_GRACE_S
-        for p in live:
-            try:
-                rc = p.daemon.proc.wait(max(0.1, deadline - time.monotonic()))
-            except Exception:
-                p.daemon.proc.kill()
-                p.daemon.proc.wait(5)
-                self.problems.append(f"{p.name} did not exit within {STOP_GRACE_S} s of the "
-                                     f"final SIGTERM (killed)")
-                continue
-            if rc == -signal.SIGKILL and p.daemon.fault:
-                self.seams_fired[p.daemon.fault.split(":")[0]] += 1
-                self.event(f"{p.name} crashed at {p.daemon.fault} (IDEM_FAULT) while stopping")
-            elif rc != 0:
-                self.problems.append(f"{p.name} exited {rc} on the final SIGTERM "
-                                     f"(see {p.daemon.logpath})")
-        for p in self.procs.values():
-            p.daemon.close()
 
     # ------------------------------------------------------------------ the run
 
@@ -706,125 +442,6 @@ class Run:
         for ln in self.listeners.values():
             ln.close()
         return self.report(plan, pc, plan_faults, expected, drained_after, drain_since)
-
-    # ------------------------------------------------------------------ audit and report
-
-    def dlq_reasons(self, limit=20000):
-        """Counter of the dead letters' x-idem-error codes (with the SQLSTATE when there is
-        one). Reads the DLQ without acking: the messages go back when the channel closes."""
-        reasons = Counter()
-        with H.Broker(self.servers.amqp_url).channel() as ch:
-            ch.basic_qos(prefetch_count=0)
-            for _ in range(limit):
-                method, props, _ = ch.basic_get(self.dlq, auto_ack=False)
-                if method is None:
-                    break
-                err = (props.headers or {}).get("x-idem-error", b"?")
-                err = err.decode(errors="replace") if isinstance(err, bytes) else str(err)
-                state = re.search(r"SQLSTATE \w{5}", err)
-                reasons[err.split(":")[0] + (f" ({state.group(0)})" if state else "")] += 1
-        return reasons
-
-    def final_queue_counts(self):
-        """{queue: messages} of the work queues and the DLQ once the consumers are gone (their
-        unacked deliveries are back in the queues), by passive declares: rabbitmqctl's counts
-        of quorum queues come from periodic statistics and lag. Two equal readings in a row."""
-        broker = H.Broker(self.servers.amqp_url)
-        names = self.work_queues + [self.dlq]
-        last = None
-        for _ in range(10):
-            infos = broker.queue_infos(names)
-            counts = {q: i[0] for q, i in infos.items() if i is not None}
-            if counts == last:
-                break
-            last = counts
-            time.sleep(0.3)
-        return counts
-
-    def report(self, plan, pc, plan_faults, expected, drained_after, drain_since):
-        a = self.a
-        committed_ops = sum(e.n_committed for e in self.emitters)
-        emit_errors = sum(e.errors for e in self.emitters)
-        with self.pg.connect(autocommit=False) as conn:
-            st = audit.fetch_state(conn, CONSUMER)
-        queue_counts = self.final_queue_counts()
-        dead = self.total("consumer", "dead_lettered")
-        reasons = self.dlq_reasons() if queue_counts.get(self.dlq) else Counter()
-        lines = [
-            audit.check_workload(pc, committed_ops, emit_errors),
-            audit.check_outbox_events(expected, st),
-            audit.check_outbox_sent(st),
-            audit.check_ledger(expected, st, CONSUMER),
-            audit.check_order(expected, st),
-            audit.check_dunning(expected, st),
-            audit.check_revenue(expected, st),
-            audit.check_receipts(expected, st),
-            audit.check_broker(queue_counts, self.work_queues, self.dlq, dead, reasons),
-            audit.check_drain(drained_after, a.drain_timeout, drain_since),
-            audit.check_processes({p.name: p.instances for p in self.procs.values()},
-                                  self.problems),
-            audit.check_faults(plan_faults, a.fault_kinds),
-        ]
-        by_type = Counter(r[1] for r in st["outbox"])
-        kinds = Counter(f.kind for f in plan_faults if f.started is not None)
-        self.say("")
-        self.say(f"Closing report (seed {a.seed})")
-        row = lambda k, v, t="": self.say(f"  {k:<24}{v:>8}  {t}".rstrip())  # noqa: E731
-        row("subscriptions", a.subs, f"{pc['invoices']} invoices")
-        row("business transactions", committed_ops,
-            f"{pc['operations']} operations + {pc['replays']} replays planned")
-        row("events in the outbox", len(st["outbox"]),
-            f"{by_type['payment.failed']} payment.failed, {by_type['invoice.paid']} invoice.paid,")
-        row("", "", f"{by_type['receipt.requested']} receipt.requested (by the invoice.paid "
-                    f"handler)")
-        row("published", int(self.total("relay", "published")),
-            f"relays' published_total (at least; {int(self.total('relay', 'publish_failures'))} "
-            f"publish failures)")
-        row("consumed", len([1 for c, _ in st["ledger"] if c == CONSUMER]),
-            f"ledger rows; at least {int(self.total('consumer', 'duplicates'))} duplicates "
-            f"skipped, {int(self.total('consumer', 'paused'))} pauses")
-        row("dead-lettered", int(dead), f"consumers' metric; {self.dlq} holds "
-            f"{queue_counts.get(self.dlq, '?')}")
-        row("faults injected", sum(kinds.values()), ", ".join(
-            f"{k} {n}" for k, n in sorted(kinds.items())))
-        fired = ", ".join(f"{k} {self.seams_fired[k]}/{self.seams_armed[k]}"
-                          for k in sorted(self.seams_armed))
-        row("seams fired / armed", sum(self.seams_fired.values()), fired)
-        windows = [f for f in plan_faults if f.refused is not None]
-        if windows:
-            row("writes refused", sum(f.refused for f in windows),
-                f"by the SQLSTATE triggers in {len(windows)} windows ("
-                + ", ".join(str(f.refused) for f in windows) + ")")
-        row("drain", "-" if drained_after is None else f"{drained_after:.1f} s",
-            f"after {drain_since}" if drained_after is not None else "not drained")
-        row("run time", f"{time.monotonic() - self.started:.0f} s",
-            f"workload {self.now():.0f} s")
-        self.say("")
-        self.say("Audit")
-        for ln in lines:
-            self.say(f"  {'PASS' if ln.ok else 'FAIL'}  {ln.what}")
-            self.say(f"        {ln.figures}")
-        fails = sum(not ln.ok for ln in lines)
-        if a.summary:
-            self.write_summary(len(st["outbox"]), kinds, plan_faults, drained_after, lines)
-        self.say("")
-        if fails == 0:
-            self.say(f"PASS: every event took effect exactly once, in order, under "
-                     f"{sum(kinds.values())} faults (seed {a.seed}).")
-        else:
-            self.say(f"FAIL: {fails} of {len(lines)} audit lines failed (seed {a.seed}); "
-                     f"logs in {self.logs}")
-        return fails == 0
-
-    def write_summary(self, events, kinds, plan_faults, drained_after, lines):
-        a = self.a
-        out = {"seed": a.seed, "topology": a.topology, "partitions": a.partitions,
-               "consumers": a.consumers, "events": events, "faults": dict(sorted(kinds.items())),
-               "rmq_backlog": [f.backlog for f in plan_faults if f.backlog is not None],
-               "drain_s": drained_after, "ok": all(ln.ok for ln in lines), "logs": self.logs,
-               "lines": [{"ok": ln.ok, "what": ln.what, "figures": ln.figures} for ln in lines]}
-        with open(a.summary, "w") as f:
-            json.dump(out, f, indent=1)
 
     def cleanup(self, keep):
         self.stop_flag.set()

@@ -66,7 +66,6 @@ def first_line(e):
     return text.splitlines()[0] if text else type(e).__name__
 
 
-
 def parse_kinds(spec):
     """'all', 'none', or a comma list of kinds and groups (process, server, link, db);
     returns the set of kinds, or raises ValueError."""
@@ -113,6 +112,11 @@ def schedule(seed, kinds, window, min_gap=1.0, max_gap=3.0, first=2.0):
     rng = random.Random(f"faults-{seed}")
     todo = [k for k in sorted(kinds) for _ in range(MIN_TURNS.get(k, 1))]
     rng.shuffle(todo)
+    # rmq-restart needs a backlog, so traffic: its turn comes in the first half of the window
+    # (turns are 2 s apart on average).
+    if "rmq-restart" in todo:
+        todo.remove("rmq-restart")
+        todo.insert(rng.randrange(max(1, min(len(todo), int(window / 4)))), "rmq-restart")
     repeat = [k for k in sorted(kinds) if k not in ONCE]
     out, t = [], first
     while t <= window or todo:
