@@ -11,10 +11,11 @@ from scenario import md5_uuid
 
 
 class Line:
-    def __init__(self, ok, what, figures):
+    def __init__(self, ok, what, figures, **counts):
         self.ok = bool(ok)
         self.what = what
         self.figures = figures
+        self.counts = counts  # the headline figures (lost, doubled, out_of_order) by name
 
 
 def fetch_state(conn, consumer):
@@ -94,7 +95,8 @@ def check_ledger(exp, st, consumer):
     if missing:
         fig += "; missing e.g. " + _examples(
             f"{e} ({exp.events[e][0]})" for e in missing)
-    return Line(ok, f"ledger: every event applied exactly once by consumer {consumer}", fig)
+    return Line(ok, f"ledger: every event applied exactly once by consumer {consumer}", fig,
+                lost=len(missing), doubled=len(doubled))
 
 
 def check_order(exp, st):
@@ -126,7 +128,8 @@ def check_order(exp, st):
            f"{len(bad)} subscriptions out of order")
     if bad:
         fig += "; e.g. " + _examples(bad.values(), 2)
-    return Line(ok, "order: each subscription's events applied in emit order", fig)
+    return Line(ok, "order: each subscription's events applied in emit order", fig,
+                out_of_order=len(bad))
 
 
 def check_dunning(exp, st):

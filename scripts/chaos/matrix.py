@@ -66,14 +66,17 @@ def cell_drain(r):
 
 
 def print_table(rows):
-    head = ("topology", "seed", "events", "faults", "drain", "backlog at rmq stop", "audit")
+    head = ("topology", "seed", "events", "faults", "lost", "doubled", "out of order", "drain",
+            "backlog at rmq stop", "audit")
     table = []
     for r in rows:
         failed = [ln["what"].split(":")[0] for ln in r.get("lines", []) if not ln["ok"]]
         verdict = "PASS" if r["ok"] and r["exit"] == 0 else "FAIL" + (
             ": " + ", ".join(failed) if failed else f": {r.get('error', 'exit %d' % r['exit'])}")
+        c = r.get("counts", {})
         table.append((r["topology"], str(r["seed"]), str(r.get("events", "-")),
-                      str(sum(r.get("faults", {}).values())), cell_drain(r),
+                      str(sum(r.get("faults", {}).values())), str(c.get("lost", "-")),
+                      str(c.get("doubled", "-")), str(c.get("out_of_order", "-")), cell_drain(r),
                       ", ".join(str(b) for b in r.get("rmq_backlog", [])) or "-", verdict))
     widths = [max(len(x) for x in col) for col in zip(head, *table)]
     fmt = lambda cols: "  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()  # noqa: E731

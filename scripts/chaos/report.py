@@ -128,6 +128,7 @@ class Reporting:
                "consumers": a.consumers, "events": events, "faults": dict(sorted(kinds.items())),
                "rmq_backlog": [f.backlog for f in plan_faults if f.backlog is not None],
                "drain_s": drained_after, "ok": all(ln.ok for ln in lines), "logs": self.logs,
+               "counts": {k: v for ln in lines for k, v in ln.counts.items()},
                "lines": [{"ok": ln.ok, "what": ln.what, "figures": ln.figures} for ln in lines]}
         with open(a.summary, "w") as f:
             json.dump(out, f, indent=1)
