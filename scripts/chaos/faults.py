@@ -50,6 +50,8 @@ WEIGHTS = {"kill-relay": 3, "kill-consumer": 3, "seam-before-commit": 1, "seam-a
 LINK_KINDS = ("freeze-resume", "freeze-drop", "half-open-reset")
 MIN_TURNS = {k: 2 for k in LINK_KINDS}
 BACKLOG_WAIT_S = 12.0  # longest rmq-restart waits for its backlog with the consumers frozen
+HALF_OPEN_MAX_S = 30.0  # longest half-open-reset waits for the daemon to reconnect
+REJOIN_S = 2.0  # and how long it then leaves the new connection beside the half-open one
 LOCK_HOLD_S = 7.0  # longer than the daemons' lock timeout (5 s)
 # How long the LOCK statement itself may wait: longer than the daemons' lock timeout, so that a
 # daemon blocked behind the queued request times out and lets it through, as with a real DDL.
@@ -441,24 +443,36 @@ class Injector:
         def hold_link(f):
             listener = self.run.listeners[name]
             accepted = listener.accepted
+            t0 = time.monotonic()
             links = listener.freeze(keepalive)
-            how = "half-open" if keepalive else "frozen"
-            f.detail = f"{len(links)} connection(s) {how} {hold:.1f} s, then " + \
-                ("reset" if drop else "resumed")
             if not links:
                 raise RuntimeError("no open connection to freeze")
-            self.pause(hold)
+            again_at = None
+            # Half-open: held at least `hold`, and until the daemon has reconnected (its
+            # reconnect may back off) and had REJOIN_S on the new connection, HALF_OPEN_MAX_S
+            # at most.
+            while not self.pause(0.2):
+                now = time.monotonic()
+                if again_at is None and listener.accepted > accepted:
+                    again_at = now
+                if now - t0 >= hold and (not keepalive or not hb or now - t0 >= HALF_OPEN_MAX_S
+                                         or (again_at and now - again_at >= REJOIN_S)):
+                    break
             again = listener.accepted - accepted
             if drop:
                 listener.drop(links)
             else:
                 listener.resume(links)
+            how = "half-open" if keepalive else "frozen"
+            f.detail = f"{len(links)} connection(s) {how} {time.monotonic() - t0:.1f} s, then " + \
+                ("reset" if drop else "resumed")
             if keepalive:
-                f.detail += (f" ({sum(ln.heartbeats_sent for ln in links)} heartbeats forged;"
-                             f" {again} new connection(s) meanwhile)")
+                f.detail += f" ({sum(ln.heartbeats_sent for ln in links)} heartbeats forged; " + (
+                    f"reconnected {again_at - t0:.1f} s in, {again} new connection(s))"
+                    if again_at else "no new connection)")
                 if again == 0 and hb:
                     f.ok = False
-                    f.detail += "; the daemon did not reconnect while half-open"
+                    f.detail += f"; the daemon did not reconnect in {HALF_OPEN_MAX_S:g} s"
 
         self._in_thread(f, body)
 
