@@ -101,7 +101,9 @@ class EmitterThread(threading.Thread):
         while i < n and not self.stop_event.is_set():
             due = int((time.monotonic() - t0) / self.duration * n) + 1 if self.duration > 0 else n
             if due <= i:
-                time.sleep(min(0.05, (i + 1) * self.duration / n - (time.monotonic() - t0)))
+                # The next transaction's due time, read again: it may have passed meanwhile.
+                time.sleep(max(0.0, min(0.05, (i + 1) * self.duration / n
+                                        - (time.monotonic() - t0))))
                 continue
             batch = self.ops[i:min(due, i + self.MAX_BATCH)]
             try:
