@@ -15,7 +15,7 @@ class Line:
         self.ok = bool(ok)
         self.what = what
         self.figures = figures
-        self.counts = counts  # the headline figures (lost, doubled, out_of_order) by name
+        self.counts = counts  # the headline figures (missing, doubled, out_of_order) by name
 
 
 def fetch_state(conn, consumer):
@@ -96,7 +96,7 @@ def check_ledger(exp, st, consumer):
         fig += "; missing e.g. " + _examples(
             f"{e} ({exp.events[e][0]})" for e in missing)
     return Line(ok, f"ledger: every event applied exactly once by consumer {consumer}", fig,
-                lost=len(missing), doubled=len(doubled))
+                missing=len(missing), doubled=len(doubled))
 
 
 def check_order(exp, st):

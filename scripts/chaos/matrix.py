@@ -66,7 +66,7 @@ def cell_drain(r):
 
 
 def print_table(rows):
-    head = ("topology", "seed", "events", "faults", "lost", "doubled", "out of order", "drain",
+    head = ("topology", "seed", "events", "faults", "missing", "doubled", "out of order", "drain",
             "backlog at rmq stop", "audit")
     table = []
     for r in rows:
@@ -75,7 +75,7 @@ def print_table(rows):
             ": " + ", ".join(failed) if failed else f": {r.get('error', 'exit %d' % r['exit'])}")
         c = r.get("counts", {})
         table.append((r["topology"], str(r["seed"]), str(r.get("events", "-")),
-                      str(sum(r.get("faults", {}).values())), str(c.get("lost", "-")),
+                      str(sum(r.get("faults", {}).values())), str(c.get("missing", "-")),
                       str(c.get("doubled", "-")), str(c.get("out_of_order", "-")), cell_drain(r),
                       ", ".join(str(b) for b in r.get("rmq_backlog", [])) or "-", verdict))
     widths = [max(len(x) for x in col) for col in zip(head, *table)]
