@@ -7,6 +7,7 @@
 #include <jansson.h>
 
 #include "rmq_int.h"
+#include "uuid.h"
 
 #define HEADER_FRAME_OVERHEAD 20 /* frame header + end octet + class, weight and body size */
 
@@ -285,8 +286,8 @@ int idemp_amqp_publish_event(idemp_amqp_t *a, const char *exchange, const idemp_
         }
     }
     size_t nextra = extra ? json_object_size(extra) : 0;
-    amqp_table_entry_t fixed[4];
-    amqp_table_entry_t *h = nextra ? calloc(4 + nextra, sizeof *h) : fixed;
+    amqp_table_entry_t fixed[5];
+    amqp_table_entry_t *h = nextra ? calloc(5 + nextra, sizeof *h) : fixed;
     if (h == NULL) {
         json_decref(extra);
         return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
@@ -298,6 +299,20 @@ int idemp_amqp_publish_event(idemp_amqp_t *a, const char *exchange, const idemp_
     h[n].key = amqp_cstring_bytes("x-idem-seq");
     h[n].value.kind = AMQP_FIELD_KIND_I64;
     h[n++].value.value.i64 = e->seq;
+    /* the shard key: a partitioned group's QUEUE.part routes it to one partition, whatever the
+     * broker's state; RabbitMQ removes BCC before delivery */
+    char shard_key[24];
+    amqp_field_value_t shard_val;
+    int shard = idemp_uuid_shard(e->subscription_id);
+    if (shard >= 0) {
+        snprintf(shard_key, sizeof shard_key, "idem.shard.%d", shard);
+        shard_val.kind = AMQP_FIELD_KIND_UTF8;
+        shard_val.value.bytes = amqp_cstring_bytes(shard_key);
+        h[n].key = amqp_cstring_bytes("BCC");
+        h[n].value.kind = AMQP_FIELD_KIND_ARRAY;
+        h[n].value.value.array = (amqp_array_t){1, &shard_val};
+        n++;
+    }
     int rc = IDEM_OK;
     const char *k;
     json_t *v;

@@ -170,13 +170,25 @@ static void test_output_terminated(void **state)
     assert_int_equal(strlen(out), 36);
 }
 
+static void test_shard(void **state)
+{
+    (void)state;
+    /* md5("00000000-0000-0000-0000-000000000001") begins with bytes whose big-endian value mod
+     * 1024 is 494; the same for the other form of the same id (it is normalised first) */
+    assert_int_equal(idemp_uuid_shard("00000000-0000-0000-0000-000000000001"), 494);
+    assert_int_equal(idemp_uuid_shard("6ba7b810-9dad-11d1-80b4-00c04fd430c8"), 720);
+    assert_int_equal(idemp_uuid_shard("{6BA7B8109DAD11D180B400C04FD430C8}"), 720);
+    assert_int_equal(idemp_uuid_shard("not a uuid"), -1);
+    assert_int_equal(idemp_uuid_shard(NULL), -1);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_private_accepts), cmocka_unit_test(test_public_accepts),
         cmocka_unit_test(test_private_rejects), cmocka_unit_test(test_public_rejects),
         cmocka_unit_test(test_every_hex_digit), cmocka_unit_test(test_hyphen_positions),
-        cmocka_unit_test(test_length_bounded),  cmocka_unit_test(test_output_terminated),
+        cmocka_unit_test(test_length_bounded),  cmocka_unit_test(test_output_terminated), cmocka_unit_test(test_shard),
     };
     return cmocka_run_group_tests_name("uuid", tests, NULL, NULL);
 }
