@@ -120,9 +120,10 @@ idem_consumer_t *idem_consumer_new(const idem_consumer_config_t *cfg, idem_error
     c->exchange = strdup(cfg->exchange ? cfg->exchange : "billing.events");
     c->dlq = idemp_consumer_name("%s.dlq", cfg->queue, 0);
     c->dlx = idemp_consumer_name("%s.dlx", cfg->queue, 0);
-    c->hash_exchange = idemp_consumer_name("%s.hash", cfg->queue, 0);
+    c->part_exchange = idemp_consumer_name("%s.part", cfg->queue, 0);
+    c->unkeyed_exchange = idemp_consumer_name("%s.part.unkeyed", cfg->queue, 0);
     if (!c->consumer || !c->queue || !c->pg_conninfo || !c->amqp_url || !c->exchange || !c->dlq ||
-        !c->dlx || !c->hash_exchange || !make_queues(c, cfg))
+        !c->dlx || !c->part_exchange || !c->unkeyed_exchange || !make_queues(c, cfg))
         goto nomem;
     if (cfg->binds != NULL) {
         size_t n = 0;
@@ -204,7 +205,8 @@ void idem_consumer_free(idem_consumer_t *c)
     free(c->queue);
     free(c->dlq);
     free(c->dlx);
-    free(c->hash_exchange);
+    free(c->part_exchange);
+    free(c->unkeyed_exchange);
     free(c->claim_commit_sql);
     free(c->queue_part);
     free(c->pg_conninfo);
@@ -286,7 +288,7 @@ static int64_t idle_wait(idem_consumer_t *c, bool can_apply, int64_t now)
     return wait < 0 ? 0 : wait > TICK_MS ? TICK_MS : wait;
 }
 
-/* After a transaction: metrics, the debug line, dead letters and fences that it decided. */
+/* After a transaction: metrics, the debug line, and the dead letters that it decided. */
 static void after_batch(idem_consumer_t *c, const tx_counts_t *counts, int64_t t0)
 {
     idemp_metrics_add(c->metrics, IDEMP_M_CONSUMER_APPLIED, counts->applied);
@@ -302,7 +304,6 @@ static void after_batch(idem_consumer_t *c, const tx_counts_t *counts, int64_t t
         idem_log(IDEM_LOG_DEBUG, LOGC, kv, "batch committed");
     }
     idemp_consumer_dead_letter_all(c);
-    idemp_consumer_publish_fences(c);
 }
 
 /* One turn of the loop. While a COMMIT is on its way, a batch goes only once it is full: until
@@ -328,7 +329,6 @@ static void step(idem_consumer_t *c, delivery_t **pick)
     if (idemp_amqp_service(c->out, &e) != IDEM_OK)
         idemp_amqp_disconnect(c->out, e.text);
     idemp_consumer_dead_letter_all(c);
-    idemp_consumer_publish_fences(c);                  /* those that could not go last turn */
     done += idemp_consumer_collect(c, false, &counts); /* what committed meanwhile */
     busy = idemp_consumer_busy(c);
     now = idemp_now_ms();

@@ -11,7 +11,6 @@
 #include "consumer_int.h"
 #include "fault.h"
 #include "mask.h"
-#include "uuid.h"
 
 #define CONFIRM_TIMEOUT_MS 30000
 #define WINDOW_BYTES_MIN (16LL << 20)
@@ -43,41 +42,15 @@ void idemp_consumer_channel_lost(idem_consumer_t *c, const char *why)
     idemp_consumer_drop_window(c);
 }
 
-/* A fence (see sql/006_partition_routes.sql): published by a consumer of the group straight to
- * one partition (the default exchange), with its id and subscription in headers and no body.
- * Anything else is validated as an event. */
-static bool take_fence(idem_consumer_t *c, delivery_t *d)
-{
-    if (c->cfg.partitions < 2 || !idemp_msg_from_exchange(d->msg, "") ||
-        idemp_msg_body_size(d->msg) != 0)
-        return false;
-    size_t flen = 0, slen = 0;
-    const char *f = idemp_msg_header(d->msg, "x-idem-fence", &flen);
-    const char *s = idemp_msg_header(d->msg, "subscription_id", &slen);
-    if (f == NULL || s == NULL || !idemp_uuid_normalize(f, flen, d->fence_id) ||
-        !idemp_uuid_normalize(s, slen, d->ev.subscription_id)) {
-        d->fence_id[0] = d->ev.subscription_id[0] = '\0';
-        return false;
-    }
-    d->fence = true;
-    memcpy(d->ev.event_id, d->fence_id, sizeof d->ev.event_id);
-    snprintf(d->ev.event_type, sizeof d->ev.event_type, "idem.fence");
-    d->state = D_READY;
-    return true;
-}
-
 static void validate(idem_consumer_t *c, delivery_t *d)
 {
     d->part = -1;
-    d->moved_from = -1;
     for (int i = 0; i < c->nqueues; i++)
         if (idemp_msg_from_queue(d->msg, c->queues[i])) {
             d->qidx = i;
             d->part = c->queue_part[i];
             break;
         }
-    if (take_fence(c, d))
-        return;
     idemp_envelope_in_t in;
     idemp_msg_envelope_in(d->msg, &in);
     d->dl_code = idemp_envelope_parse(&in, c->cfg.max_message_bytes, idemp_wall_ms(), &d->ev,
@@ -112,77 +85,6 @@ static int dead_letter(idem_consumer_t *c, delivery_t *d)
     idemp_consumer_log(IDEM_LOG_WARN, c, d, "dead-lettered to %s: %s", c->dlq, reason);
     d->state = D_DONE;
     return IDEM_OK;
-}
-
-/* Records fence_id as reached without a fence message: the old partition does not exist (P was
- * changed), so nothing earlier can be waiting in it. */
-static int fence_reached_here(idem_consumer_t *c, const char *fence_id, idem_error_t *err)
-{
-    char arr[48];
-    snprintf(arr, sizeof arr, "{%s}", fence_id);
-    const char *p[] = {c->consumer, arr};
-    if (c->pg == NULL) /* every connection has a COMMIT on its way: next turn */
-        return idem_error_set(err, IDEM_ERR_PG_LOST, "no PostgreSQL connection free");
-    return idemp_pg_exec(c->pg,
-                         "INSERT INTO idem_partition_fences (consumer, fence_id) "
-                         "SELECT $1, f FROM unnest($2::uuid[]) AS f ON CONFLICT DO NOTHING",
-                         2, p, NULL, err);
-}
-
-/* A MOVED delivery's fence, into its subscription's old partition; the delivery then WAITs
- * for it (consumer_tx.c). On failure it stays MOVED and the fence is tried again next turn. */
-static void publish_fence(idem_consumer_t *c, delivery_t *d)
-{
-    char id[37], queue[256];
-    if (!idemp_uuid_random(id))
-        return;
-    snprintf(queue, sizeof queue, "%s.p%d", c->queue, d->moved_from);
-    idem_error_t err = {0};
-    int rc = idemp_amqp_publish_fence(c->out, "", queue, id, d->ev.subscription_id,
-                                      CONFIRM_TIMEOUT_MS, &err);
-    if (rc == IDEM_ERR_NOT_FOUND) {
-        err = (idem_error_t){0};
-        rc = fence_reached_here(c, id, &err);
-    }
-    if (rc != IDEM_OK) {
-        idemp_consumer_log(IDEM_LOG_WARN, c, d, "publishing a fence to %s failed, will retry: %s",
-                           queue, err.text);
-        if (rc != IDEM_ERR_PG_QUERY && rc != IDEM_ERR_PG_LOST && rc != IDEM_ERR_PG_CONNECT)
-            idemp_amqp_disconnect(c->out, err.text);
-        return;
-    }
-    memcpy(d->fence_id, id, sizeof d->fence_id);
-    d->state = D_WAIT;
-    d->due_ms = idemp_now_ms();
-    idemp_consumer_log(IDEM_LOG_INFO, c, d,
-                       "subscription %s moved from partition %d to %d (RabbitMQ's hash ring "
-                       "changed): its events here wait until partition %d has applied the earlier "
-                       "ones (fence %s)",
-                       d->ev.subscription_id, d->moved_from, d->part, d->moved_from, id);
-}
-
-void idemp_consumer_publish_fences(idem_consumer_t *c)
-{
-    for (size_t i = 0; i < c->nwin && idemp_amqp_connected(c->out); i++) {
-        delivery_t *d = c->win[i];
-        if (d->state != D_MOVED)
-            continue;
-        /* a later event of the subscription waits for the fence of an earlier one */
-        uint64_t k = idemp_window_key(d);
-        const delivery_t *first = NULL;
-        for (size_t j = 0; j < i && first == NULL; j++)
-            if (c->win[j]->fence_id[0] && !c->win[j]->fence && c->win[j]->moved_from >= 0 &&
-                (c->win[j]->state == D_WAIT || c->win[j]->state == D_MOVED) &&
-                idemp_window_key(c->win[j]) == k && c->win[j]->moved_from == d->moved_from)
-                first = c->win[j];
-        if (first != NULL) {
-            memcpy(d->fence_id, first->fence_id, sizeof d->fence_id);
-            d->state = D_WAIT;
-            d->due_ms = first->due_ms;
-        } else {
-            publish_fence(c, d);
-        }
-    }
 }
 
 void idemp_consumer_dead_letter_all(idem_consumer_t *c)

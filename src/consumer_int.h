@@ -25,11 +25,9 @@
 /* A delivery's life: read and validated (READY, or DEAD when it must be dead-lettered), tried in
  * a transaction, then DONE (committed, duplicate or dead-lettered: ack it) or WAIT (a retry or a
  * pause: due again at due_ms). COMMITTING: its batch's COMMIT is on its way (consumer_tx.c); it
- * holds its subscription like any unfinished delivery and is not acked. MOVED: its subscription
- * arrived in another partition than before (see sql/006_partition_routes.sql); a fence must go to
- * the old partition, then it WAITs for it.
+ * holds its subscription like any unfinished delivery and is not acked.
  */
-enum dstate { D_READY, D_WAIT, D_DEAD, D_DONE, D_MOVED, D_COMMITTING };
+enum dstate { D_READY, D_WAIT, D_DEAD, D_DONE, D_COMMITTING };
 
 typedef struct delivery {
     idemp_msg_t *msg; /* owned */
@@ -45,12 +43,6 @@ typedef struct delivery {
     size_t bytes; /* body bytes held */
     int qidx;     /* the consumed queue it came from (index into queues) */
     int part;     /* that queue's partition number; -1 without partitions */
-    bool fence;   /* a fence (see sql/006_partition_routes.sql), not an event */
-    /* a fence: its id; a moved event: the fence it waits for ("" before it is published) */
-    char fence_id[37];
-    int moved_from;     /* a moved event: the partition its subscription was applied from */
-    int64_t held_since; /* a moved event: when it was first held (monotonic ms), 0 if not */
-    bool held_warned;
 } delivery_t;
 
 /* A handler that calls a SQL function (idem_consumer_register_sql). */
@@ -61,7 +53,7 @@ typedef struct sql_handler {
 
 struct idem_consumer {
     char *consumer, *queue, *pg_conninfo, *amqp_url, *exchange;
-    char *dlq, *dlx, *hash_exchange;
+    char *dlq, *dlx, *part_exchange, *unkeyed_exchange;
     char **queues;   /* the queues this process consumes: QUEUE, or its partitions */
     int *queue_part; /* partition number of each (-1 for QUEUE) */
     int nqueues;
@@ -126,8 +118,6 @@ static inline bool idemp_consumer_stopping(const idem_consumer_t *c)
 bool idemp_consumer_read(idem_consumer_t *c, int64_t first_wait_ms, bool linger);
 /* Publishes the dead-letter copy of every DEAD delivery (each becomes DONE once confirmed). */
 void idemp_consumer_dead_letter_all(idem_consumer_t *c);
-/* Publishes the fence of every MOVED delivery (each then WAITs for it). */
-void idemp_consumer_publish_fences(idem_consumer_t *c);
 /* Acks what is DONE and takes it out of the window. */
 void idemp_consumer_ack_done(idem_consumer_t *c);
 /* Forgets every delivery in hand; only together with their channel (the broker requeues them). */
@@ -140,15 +130,12 @@ void idemp_consumer_channel_lost(idem_consumer_t *c, const char *why);
 /* Picks into out (capacity max) the deliveries that may be tried now, in tag order: READY ones
  * and WAIT ones that are due, each only if no earlier unfinished delivery of its key (see
  * idemp_window_key) stays behind (a delivery waiting for a retry holds the later ones of its
- * subscription; a dead-lettered one holds nothing). A fence goes only when nothing earlier of its
- * key is unfinished at all, picked or not: it is recorded after they commit. Returns how many
- * were picked. */
+ * subscription; a dead-lettered one holds nothing). Returns how many were picked. */
 size_t idemp_window_pick(delivery_t *const *win, size_t n, int64_t now, delivery_t **out,
                          size_t max);
 
-/* A delivery's place in the order that matters: its subscription within the queue it came from
- * (a moved subscription's queues are ordered by fences, not by the window). 0 when it has no
- * subscription. Never 0 otherwise. */
+/* A delivery's place in the order that matters: its subscription within the queue it came from.
+ * 0 when it has no subscription. Never 0 otherwise. */
 uint64_t idemp_window_key(const delivery_t *d);
 
 /* The earliest time a WAIT delivery becomes due (INT64_MAX when none). */
@@ -165,17 +152,12 @@ size_t idemp_window_ack_plan(delivery_t *const *win, size_t n, uint64_t *multi_t
 #define IDEMP_SQLSTATE_NOT_ALL_NEW "IDEM1"
 
 /* On pg, in a pipeline just begun: BEGIN, the transaction-local settings and the claim of the
- * event ids of ds[0..n), in the batch's order. Marks claimed[i], stale[i] (older than the dedup
- * window by the database's clock) and moved[i] (the partition a delivery's subscription moved
- * from, for a partitioned group; left -1 otherwise). single: the pipeline is left here, so that
- * the handler's statements fail one by one. all_new: the claim is only queued, every delivery
+ * event ids of ds[0..n), in the batch's order. Marks claimed[i] and stale[i] (older than the
+ * dedup window by the database's clock). single: the pipeline is left here, so that the
+ * handler's statements fail one by one. all_new: the claim is only queued, every delivery
  * marked claimed; it fails the transaction with IDEMP_SQLSTATE_NOT_ALL_NEW unless each is. */
 int idemp_consumer_claim(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size_t n, bool single,
-                         bool all_new, bool *claimed, bool *stale, int *moved, idem_error_t *err);
-/* Records the fences among ds[0..n) as reached (one statement, its own transaction, on c->pg);
- * they become DONE and the events move to the front of ds. Returns how many events there are
- * (0 when recording failed: the consumer then pauses and everything goes again). */
-size_t idemp_consumer_record_fences(idem_consumer_t *c, delivery_t **ds, size_t n);
+                         bool all_new, bool *claimed, bool *stale, idem_error_t *err);
 
 /* ---- consumer_tx.c ---- */
 

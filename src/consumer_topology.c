@@ -1,10 +1,13 @@
 /* consumer_topology.c - what the consumer declares on RabbitMQ (or, with --no-declare, checks):
- * the exchange, the dead-letter exchange and queue, and QUEUE or a partitioned group's hash
- * exchange and partition queues; then qos and consume. */
+ * the exchange, the dead-letter exchange and queue, and QUEUE or a partitioned group's shard
+ * exchange and partition queues, every queue with single active consumer; then qos and
+ * consume. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "consumer_int.h"
+#include "uuid.h"
 
 /* ---- topology ----------------------------------------------------------------------------- */
 
@@ -103,54 +106,95 @@ static int check_partition_count(idem_consumer_t *c, idem_error_t *err)
     return rc;
 }
 
-static int by_name(const void *a, const void *b)
+/* A declare that RabbitMQ refused with PRECONDITION_FAILED: what exists has other arguments
+ * (an older idem declared QUEUE without single active consumer, or another tool declared it). */
+static int inequivalent(const char *name, idem_error_t *err)
 {
-    return strcmp(*(char *const *)a, *(char *const *)b); /* unsigned bytes, like Erlang's */
+    char said[sizeof err->text];
+    memcpy(said, err != NULL ? err->text : "", err != NULL ? sizeof said : 1);
+    if (err != NULL)
+        err->code = 0;
+    return idem_error_set(err, IDEM_ERR_REFUSED,
+                          "%s exists with other arguments than this idem declares (a quorum queue "
+                          "with x-single-active-consumer, as from an older idem): drain it, "
+                          "delete it and start again (README \"Upgrading and changing "
+                          "--partitions\"); RabbitMQ said: %.200s",
+                          name, said);
 }
 
+static int declare_queue(idem_consumer_t *c, const char *name, const idemp_queue_spec_t *spec,
+                         idem_error_t *err)
+{
+    int rc = idemp_amqp_declare_queue(c->in, name, spec, false, err);
+    if (rc != IDEM_OK && idemp_amqp_close_code(c->in) == 406)
+        rc = inequivalent(name, err);
+    return rc;
+}
+
+/* An older idem partitioned a group through the consistent-hash exchange QUEUE.hash: its
+ * partitions are bound to it, so this group must be drained and deleted first. */
+static int check_no_ring(idem_consumer_t *c, idem_error_t *err)
+{
+    char *hash = idemp_consumer_name("%s.hash", c->queue, 0);
+    if (hash == NULL)
+        return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+    idem_error_t e = {0};
+    int rc = idemp_amqp_declare_exchange(c->in, hash, "x-consistent-hash", NULL, true, &e);
+    if (rc == IDEM_OK)
+        rc = idem_error_set(err, IDEM_ERR_REFUSED,
+                            "%s exists: %s was partitioned by an older idem through a hash ring; "
+                            "drain the group, delete %s and its queues %s.p0, ... and start again "
+                            "(README \"Upgrading and changing --partitions\")",
+                            hash, c->queue, hash, c->queue);
+    else if (rc == IDEM_ERR_NOT_FOUND)
+        rc = IDEM_OK;
+    else if (err != NULL && err->code == 0)
+        *err = e;
+    free(hash);
+    return rc;
+}
+
+/* Partition i's binding keys on QUEUE.part: idem.shard.N for every shard N with N mod P = i. */
+static int bind_shards(idem_consumer_t *c, const char *queue, int i, idem_error_t *err)
+{
+    int rc = IDEM_OK;
+    for (int n = i; rc == IDEM_OK && n < IDEMP_SHARDS; n += c->cfg.partitions) {
+        char key[24];
+        snprintf(key, sizeof key, "idem.shard.%d", n);
+        rc = idemp_amqp_bind(c->in, queue, c->part_exchange, key, err);
+    }
+    return rc;
+}
+
+/* QUEUE.part (direct) routes by the relay's shard key (BCC) to exactly one partition; a message
+ * without one matches no binding there and goes, through QUEUE.part's alternate exchange
+ * QUEUE.part.unkeyed (fanout), to QUEUE.p0. Nothing here depends on broker state that changes on
+ * its own: a restart moves nothing. QUEUE.part is bound to the main exchange last, once every
+ * shard has its partition (a shard not bound yet would reach p0 through the alternate exchange). */
 static int declare_partitions(idem_consumer_t *c, const idemp_queue_spec_t *spec, idem_error_t *err)
 {
-    int rc = check_partition_count(c, err);
-    if (rc != IDEM_OK)
-        return rc;
-    rc = idemp_amqp_declare_exchange(c->in, c->hash_exchange, "x-consistent-hash",
-                                     "subscription_id", false, err);
-    if (rc != IDEM_OK && idemp_amqp_close_code(c->in) == 503) {
-        if (err != NULL)
-            err->code = 0;
-        return idem_error_set(err, IDEM_ERR_REFUSED,
-                              "--partitions needs the RabbitMQ plugin "
-                              "rabbitmq_consistent_hash_exchange, which is not enabled on "
-                              "RabbitMQ at %s (rabbitmq-plugins enable "
-                              "rabbitmq_consistent_hash_exchange)",
-                              idemp_amqp_where(c->in));
-    }
+    int rc = check_no_ring(c, err);
     if (rc == IDEM_OK)
-        rc = bind_keys(c, c->hash_exchange, true, err);
+        rc = check_partition_count(c, err);
+    if (rc == IDEM_OK)
+        rc = idemp_amqp_declare_exchange(c->in, c->unkeyed_exchange, "fanout", NULL, false, err);
+    if (rc == IDEM_OK)
+        rc = idemp_amqp_declare_exchange(c->in, c->part_exchange, "direct", c->unkeyed_exchange,
+                                         false, err);
     /* from the last partition to the first: whoever finds p0 finds all of them (processes of a
      * group starting together must not mistake a half-declared group for a smaller one) */
-    int p = c->cfg.partitions;
-    char **names = calloc((size_t)p, sizeof *names);
-    if (names == NULL)
-        return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
-    for (int i = p - 1; rc == IDEM_OK && i >= 0; i--) {
-        names[i] = idemp_consumer_name("%s.p%d", c->queue, i);
-        rc = names[i] ? idemp_amqp_declare_queue(c->in, names[i], spec, false, err)
-                      : idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+    for (int i = c->cfg.partitions - 1; rc == IDEM_OK && i >= 0; i--) {
+        char *name = idemp_consumer_name("%s.p%d", c->queue, i);
+        rc = name ? declare_queue(c, name, spec, err)
+                  : idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+        if (rc == IDEM_OK)
+            rc = bind_shards(c, name, i, err);
+        if (rc == IDEM_OK && i == 0)
+            rc = idemp_amqp_bind(c->in, name, c->unkeyed_exchange, "", err);
+        free(name);
     }
-    /* Bound in the byte order of the queue names (p0, p1, p10, p11, p2, ...): the hash exchange
-     * numbers its buckets in binding order and, when RabbitMQ restarts, numbers them again from
-     * the bindings sorted that way. Any other order would move subscriptions to other partitions
-     * at the restart, and their next events would overtake the earlier ones left in the old
-     * partition. Every process binds all P, in that order, so the bound ones are always a prefix
-     * of it whichever processes race; a binding that exists already changes nothing. */
     if (rc == IDEM_OK)
-        qsort(names, (size_t)p, sizeof *names, by_name);
-    for (int i = 0; rc == IDEM_OK && i < p; i++)
-        rc = idemp_amqp_bind(c->in, names[i], c->hash_exchange, "1", err);
-    for (int i = 0; i < p; i++)
-        free(names[i]);
-    free(names);
+        rc = bind_keys(c, c->part_exchange, true, err);
     return rc;
 }
 
@@ -166,7 +210,9 @@ static int declare_dlq(idem_consumer_t *c, idem_error_t *err)
     return idemp_amqp_declare_queue(c->in, c->dlq, &dlq, false, err);
 }
 
-/* With --no-declare: everything used must exist already. */
+/* With --no-declare: everything used must exist already, and no older topology be in the way
+ * (the queues' arguments cannot be checked without the configure permission: the operator who
+ * declares them gives them single active consumer, see the README). */
 static int check_topology(idem_consumer_t *c, idem_error_t *err)
 {
     int rc = idemp_amqp_declare_exchange(c->in, c->exchange, "topic", NULL, true, err);
@@ -174,6 +220,14 @@ static int check_topology(idem_consumer_t *c, idem_error_t *err)
         rc = idemp_amqp_declare_exchange(c->in, c->dlx, "direct", NULL, true, err);
     if (rc == IDEM_OK)
         rc = idemp_amqp_declare_queue(c->in, c->dlq, NULL, true, err);
+    if (rc == IDEM_OK && c->cfg.partitions == 1)
+        rc = check_not_partitioned(c, err);
+    if (rc == IDEM_OK && c->cfg.partitions > 1)
+        rc = check_no_ring(c, err);
+    if (rc == IDEM_OK && c->cfg.partitions > 1)
+        rc = check_partition_count(c, err);
+    if (rc == IDEM_OK && c->cfg.partitions > 1)
+        rc = idemp_amqp_declare_exchange(c->in, c->part_exchange, "direct", NULL, true, err);
     for (int i = 0; rc == IDEM_OK && i < c->nqueues; i++)
         rc = idemp_amqp_declare_queue(c->in, c->queues[i], NULL, true, err);
     return rc;
@@ -185,7 +239,7 @@ int idemp_consumer_topology(idem_consumer_t *c, idem_error_t *err)
     if (c->cfg.no_declare) {
         rc = check_topology(c, err);
     } else {
-        idemp_queue_spec_t main = {true, c->cfg.partitions > 1, c->dlx, c->dlq};
+        idemp_queue_spec_t main = {true, true, c->dlx, c->dlq};
         rc = idemp_amqp_declare_exchange(c->in, c->exchange, "topic", NULL, false, err);
         if (rc == IDEM_OK)
             rc = idemp_amqp_declare_exchange(c->in, c->dlx, "direct", NULL, false, err);
@@ -196,7 +250,7 @@ int idemp_consumer_topology(idem_consumer_t *c, idem_error_t *err)
         if (rc == IDEM_OK && c->cfg.partitions == 1)
             rc = check_not_partitioned(c, err);
         if (rc == IDEM_OK && c->cfg.partitions == 1) {
-            rc = idemp_amqp_declare_queue(c->in, c->queue, &main, false, err);
+            rc = declare_queue(c, c->queue, &main, err);
             if (rc == IDEM_OK)
                 rc = bind_keys(c, c->queue, false, err);
         } else if (rc == IDEM_OK) {

@@ -20,8 +20,6 @@
 
 #define RETRY_BASE_MS 1000
 #define RETRY_MAX_MS 30000
-#define FENCE_POLL_MS 50    /* a moved event looks for its fence this often at first */
-#define FENCE_WARN_MS 30000 /* then says it still waits */
 
 typedef enum { R_OK, R_FALLBACK, R_PAUSE } run_result;
 
@@ -112,7 +110,6 @@ typedef struct attempt {
     idem_outcome outcome;
     char sqlstate[6]; /* of the handler's failed statement */
     bool *claimed, *stale;
-    int *moved; /* the partition a delivery's subscription moved from, -1 when not moved */
 } attempt_t;
 
 /* Runs the handlers of the claimed deliveries; stops at the first failure. */
@@ -188,8 +185,7 @@ static void attempt(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size_t 
     a->at = AT_CLAIM;
     a->rc = idemp_pg_pipeline_begin(pg, &a->err);
     if (a->rc == IDEM_OK)
-        a->rc = idemp_consumer_claim(c, pg, ds, n, single, all_new, a->claimed, a->stale, a->moved,
-                                     &a->err);
+        a->rc = idemp_consumer_claim(c, pg, ds, n, single, all_new, a->claimed, a->stale, &a->err);
     if (a->rc == IDEM_OK) {
         a->at = AT_HANDLER;
         a->rc = handle(c, pg, ds, n, a);
@@ -235,51 +231,19 @@ static bool commit_outcome(idem_consumer_t *c, idemp_pg_t *pg, attempt_t *a, boo
     return true;
 }
 
-/* d's subscription was applied from partition was: d waits for its fence (published by
- * consumer.c when it has none yet), spending no try. */
-static void held_moved(idem_consumer_t *c, delivery_t *d, int was)
-{
-    int64_t now = idemp_now_ms();
-    if (d->held_since == 0)
-        d->held_since = now;
-    d->moved_from = was;
-    if (d->fence_id[0] == '\0') {
-        d->state = D_MOVED;
-        return;
-    }
-    d->state = D_WAIT;
-    int64_t held = now - d->held_since;
-    d->due_ms = now + (held < 1000 ? FENCE_POLL_MS : held < 10000 ? 250 : 1000);
-    if (held >= FENCE_WARN_MS && !d->held_warned) {
-        d->held_warned = true;
-        idemp_consumer_log(IDEM_LOG_WARN, c, d,
-                           "still holding subscription %s: no consumer of partition %d has "
-                           "reached fence %s for %.0f s (is that partition consumed? if "
-                           "both partitions' windows are full of held events, restart the "
-                           "group with a larger --prefetch)",
-                           d->ev.subscription_id, was, d->fence_id, (double)held / 1000.0);
-    }
-}
-
 /* The attempt arrays, for n deliveries; false when out of memory. */
 static bool attempt_init(attempt_t *a, size_t n)
 {
     memset(a, 0, sizeof *a);
     a->claimed = calloc(n, sizeof *a->claimed);
     a->stale = calloc(n, sizeof *a->stale);
-    a->moved = malloc(n * sizeof *a->moved);
-    if (a->claimed == NULL || a->stale == NULL || a->moved == NULL)
-        return false;
-    for (size_t i = 0; i < n; i++)
-        a->moved[i] = -1;
-    return true;
+    return a->claimed != NULL && a->stale != NULL;
 }
 
 static void attempt_free(attempt_t *a)
 {
     free(a->claimed);
     free(a->stale);
-    free(a->moved);
 }
 
 /* How a finished attempt over ds[0..n) settles each delivery. */
@@ -290,16 +254,6 @@ static run_result settle(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, si
     if (a->at == AT_NONE) {
         for (size_t i = 0; i < n; i++) {
             delivery_t *d = ds[i];
-            if (a->moved[i] >= 0) {
-                held_moved(c, d, a->moved[i]);
-                continue;
-            }
-            if (d->held_since != 0)
-                idemp_consumer_log(IDEM_LOG_INFO, c, d,
-                                   "applied after %.1f s held: partition %d had applied the "
-                                   "subscription's earlier events",
-                                   (double)(idemp_now_ms() - d->held_since) / 1000.0,
-                                   d->moved_from);
             if (a->stale[i]) {
                 d->dl_code = IDEMP_DL_STALE;
                 snprintf(d->detail, sizeof d->detail,
@@ -415,7 +369,7 @@ static run_result run(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size_
         idemp_consumer_pause(c, "53200", "out of memory");
         return R_PAUSE;
     }
-    all_new = all_new && !single && c->claim_check && c->cfg.partitions == 1;
+    all_new = all_new && !single && c->claim_check;
     attempt(c, pg, ds, n, single, all_new, k->ds != NULL, &k->a);
     if (k->a.at == AT_NOT_NEW) {
         idemp_consumer_log(IDEM_LOG_DEBUG, c, NULL,
@@ -442,8 +396,8 @@ static run_result run(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size_
     return r;
 }
 
-/* After a batch failed: one transaction per delivery; a delivery left waiting (a retry, a moved
- * subscription) holds the rest of its key (see idemp_window_key). */
+/* After a batch failed: one transaction per delivery; a delivery left waiting for a retry holds
+ * the rest of its key (see idemp_window_key). */
 static void one_by_one(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size_t n,
                        tx_counts_t *counts)
 {
@@ -467,7 +421,7 @@ static void one_by_one(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size
             break;
         if (d->state == D_WAIT && timed_out(d))
             break; /* a lock or a statement timeout: the others would wait as long; next turn */
-        if ((d->state == D_WAIT || d->state == D_MOVED) && k != 0)
+        if (d->state == D_WAIT && k != 0)
             held[nheld++] = k;
     }
     free(held);
@@ -575,9 +529,6 @@ void idemp_consumer_forget_inflight(idem_consumer_t *c)
 void idemp_consumer_apply(idem_consumer_t *c, delivery_t **ds, size_t n, tx_counts_t *counts)
 {
     struct idemp_commit *sent = NULL;
-    n = idemp_consumer_record_fences(c, ds, n);
-    if (n == 0)
-        return;
     qsort(ds, n, sizeof *ds, by_subscription);
     if (run(c, c->pg, ds, n, n == 1, true, &sent, counts) == R_FALLBACK)
         one_by_one(c, c->pg, ds, n, counts);

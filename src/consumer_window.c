@@ -55,24 +55,18 @@ uint64_t idemp_window_key(const delivery_t *d)
 size_t idemp_window_pick(delivery_t *const *win, size_t n, int64_t now, delivery_t **out,
                          size_t max)
 {
-    held_t hs, busy; /* held: stays behind; busy: unfinished, picked or not (for fences) */
-    hs.n = busy.n = 0;
-    hs.overflow = busy.overflow = false;
+    held_t hs; /* keys that stay behind an unfinished earlier delivery */
+    hs.n = 0;
+    hs.overflow = false;
     size_t got = 0;
     for (size_t i = 0; i < n; i++) {
         delivery_t *d = win[i];
         if (d->state == D_DONE || d->state == D_DEAD)
             continue;
         uint64_t h = idemp_window_key(d);
-        bool due = d->state == D_READY || (d->state == D_WAIT && d->due_ms <= now);
-        bool blocked = h != 0 && is_held(d->fence ? &busy : &hs, h);
-        if (h != 0)
-            hold(&busy, h);
-        if (blocked) {
-            if (d->fence)
-                hold(&hs, h); /* nothing of its key passes a fence waiting its turn */
+        if (h != 0 && is_held(&hs, h))
             continue;
-        }
+        bool due = d->state == D_READY || (d->state == D_WAIT && d->due_ms <= now);
         if (due && got < max) {
             out[got++] = d;
             continue;

@@ -84,9 +84,9 @@ typedef struct idemp_queue_spec {
     const char *dlk;    /* x-dead-letter-routing-key, or NULL */
 } idemp_queue_spec_t;
 
-/* type: "topic", "direct" or "x-consistent-hash" (hash_header names the header it hashes). */
+/* type: "topic", "direct" or "fanout"; alternate: its alternate-exchange, or NULL. */
 int idemp_amqp_declare_exchange(idemp_amqp_t *a, const char *name, const char *type,
-                                const char *hash_header, bool passive, idem_error_t *err);
+                                const char *alternate, bool passive, idem_error_t *err);
 int idemp_amqp_declare_queue(idemp_amqp_t *a, const char *name, const idemp_queue_spec_t *spec,
                              bool passive, idem_error_t *err);
 int idemp_amqp_bind(idemp_amqp_t *a, const char *queue, const char *exchange, const char *key,
@@ -166,14 +166,6 @@ typedef struct idemp_event_msg {
  * do not fit one frame. */
 int idemp_amqp_publish_event(idemp_amqp_t *a, const char *exchange, const idemp_event_msg_t *e,
                              uint64_t *tag, idem_error_t *err);
-
-/* Publishes a fence (persistent, mandatory, no body; headers x-idem-fence = fence_id and
- * subscription_id) to exchange with routing key queue, and waits for its confirm: IDEM_OK,
- * IDEM_ERR_NOT_FOUND when no queue is bound under that key (returned), or a failure of the link
- * or the broker. */
-int idemp_amqp_publish_fence(idemp_amqp_t *out, const char *exchange, const char *queue,
-                             const char *fence_id, const char *subscription_id, int64_t timeout_ms,
-                             idem_error_t *err);
 
 /* Publishes that follow idemp_amqp_cork gather in full TCP segments (TCP_CORK) instead of one
  * small segment each, until idemp_amqp_flush sends what is left; a wait for a frame flushes

@@ -210,62 +210,6 @@ int idemp_amqp_dead_letter(idemp_amqp_t *out, idemp_amqp_t *in, idemp_msg_t *m,
     return idemp_amqp_confirm_one(out, tag, timeout_ms, err);
 }
 
-/* ---- fences (partitioned groups) ------------------------------------------------------------ */
-
-struct fence_wait {
-    uint64_t tag;
-    bool returned, nacked;
-};
-
-static void on_fence(void *ud, idemp_confirm_kind kind, uint64_t tag, bool multiple,
-                     const char *message_id, size_t len)
-{
-    struct fence_wait *w = ud;
-    if (kind == IDEMP_CONFIRM_RETURN)
-        w->returned = true;
-    else if (kind == IDEMP_CONFIRM_NACK && (multiple ? w->tag <= tag : w->tag == tag))
-        w->nacked = true;
-}
-
-int idemp_amqp_publish_fence(idemp_amqp_t *out, const char *exchange, const char *queue,
-                             const char *fence_id, const char *subscription_id, int64_t timeout_ms,
-                             idem_error_t *err)
-{
-    if (!out->connected)
-        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s",
-                              out->where);
-    amqp_table_entry_t h[2] = {str_entry("x-idem-fence", amqp_cstring_bytes(fence_id)),
-                               str_entry("subscription_id", amqp_cstring_bytes(subscription_id))};
-    amqp_basic_properties_t p;
-    memset(&p, 0, sizeof p);
-    p._flags = AMQP_BASIC_DELIVERY_MODE_FLAG | AMQP_BASIC_MESSAGE_ID_FLAG | AMQP_BASIC_TYPE_FLAG |
-               AMQP_BASIC_HEADERS_FLAG;
-    p.delivery_mode = 2;
-    p.message_id = amqp_cstring_bytes(fence_id);
-    p.type = amqp_cstring_bytes("idem.fence");
-    p.headers = (amqp_table_t){2, h};
-    int st = amqp_basic_publish(out->conn, IDEMP_CHANNEL, amqp_cstring_bytes(exchange),
-                                amqp_cstring_bytes(queue), 1, 0, &p, amqp_empty_bytes);
-    if (st != AMQP_STATUS_OK)
-        return idemp_amqp_lost(out, st, "fence publish", err);
-    struct fence_wait w = {0, false, false};
-    idemp_amqp_published(out, &w.tag);
-    int rc = idemp_amqp_wait_confirms(out, w.tag, timeout_ms, on_fence, &w, err);
-    if (rc == IDEM_ERR_TIMEOUT)
-        return idem_error_set(err, IDEM_ERR_TIMEOUT,
-                              "no publisher confirm from RabbitMQ at %s within %lld ms", out->where,
-                              (long long)timeout_ms);
-    if (rc != IDEM_OK)
-        return rc;
-    if (w.returned)
-        return idem_error_set(err, IDEM_ERR_NOT_FOUND, "no queue %s is bound to %s", queue,
-                              exchange);
-    if (w.nacked)
-        return idem_error_set(err, IDEM_ERR_AMQP, "RabbitMQ at %s did not take the fence",
-                              out->where);
-    return IDEM_OK;
-}
-
 /* ---- event publishes (the relay) ------------------------------------------------------------ */
 
 int idemp_amqp_publish_event(idemp_amqp_t *a, const char *exchange, const idemp_event_msg_t *e,

@@ -67,14 +67,14 @@ static int declared(idemp_amqp_t *a, const char *method, const char *name, bool 
 }
 
 int idemp_amqp_declare_exchange(idemp_amqp_t *a, const char *name, const char *type,
-                                const char *hash_header, bool passive, idem_error_t *err)
+                                const char *alternate, bool passive, idem_error_t *err)
 {
     if (!a->connected)
         return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s", a->where);
     amqp_table_entry_t e[1];
     amqp_table_t args = {0, e};
-    if (hash_header != NULL)
-        e[args.num_entries++] = str_entry("hash-header", hash_header);
+    if (alternate != NULL && !passive)
+        e[args.num_entries++] = str_entry("alternate-exchange", alternate);
     amqp_exchange_declare(a->conn, IDEMP_CHANNEL, amqp_cstring_bytes(name),
                           amqp_cstring_bytes(type), passive, 1, 0, 0, args);
     return declared(a, "exchange.declare", name, passive, err);

@@ -134,45 +134,6 @@ static void test_ack_plan(void **state)
     assert_int_equal(ns, 3); /* 2, 4, 6 */
 }
 
-/* A subscription moved between partitions: its events in the new partition (queue 1) wait for
- * a fence, and must hold nothing of the old partition (queue 0), or the fence that releases them
- * could never be reached. */
-static void test_moved_subscription_holds_only_its_own_queue(void **state)
-{
-    (void)state;
-    const char *subs[] = {SUB_A, SUB_A, SUB_A, SUB_A};
-    size_t n = window(4, subs);
-    D[0].qidx = 1; /* the new partition's event: moved, waiting for its fence */
-    D[0].state = D_WAIT;
-    D[0].due_ms = NOW + 100;
-    D[1].qidx = 0; /* the old partition's earlier event */
-    D[2].qidx = 0; /* the fence, behind it */
-    D[2].fence = true;
-    D[3].qidx = 1; /* the new partition's next event */
-    /* the old event goes; the fence waits for it to commit, even though it is picked now */
-    assert_string_equal(picked(n, 10), "2");
-    D[1].state = D_DONE;
-    assert_string_equal(picked(n, 10), "3");
-    D[2].state = D_DONE;
-    D[0].due_ms = NOW;
-    assert_string_equal(picked(n, 10), "1,4");
-}
-
-static void test_fence_holds_its_key_behind_it(void **state)
-{
-    (void)state;
-    const char *subs[] = {SUB_A, SUB_A, SUB_A, SUB_B};
-    size_t n = window(4, subs);
-    D[0].state = D_WAIT; /* a retry of A */
-    D[0].due_ms = NOW + 100;
-    D[1].fence = true;
-    /* the fence and A's later event stay behind the retry; B goes */
-    assert_string_equal(picked(n, 10), "4");
-    /* a MOVED delivery is unfinished and not due: it holds its key too */
-    D[0].state = D_MOVED;
-    assert_string_equal(picked(n, 10), "4");
-}
-
 static void test_key_includes_the_queue(void **state)
 {
     (void)state;
@@ -216,8 +177,6 @@ int main(void)
         cmocka_unit_test(test_full_batch_holds_the_rest_of_a_subscription),
         cmocka_unit_test(test_next_due),
         cmocka_unit_test(test_ack_plan),
-        cmocka_unit_test(test_moved_subscription_holds_only_its_own_queue),
-        cmocka_unit_test(test_fence_holds_its_key_behind_it),
         cmocka_unit_test(test_key_includes_the_queue),
         cmocka_unit_test(test_committing_holds_its_subscription),
     };

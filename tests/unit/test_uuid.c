@@ -188,7 +188,8 @@ int main(void)
         cmocka_unit_test(test_private_accepts), cmocka_unit_test(test_public_accepts),
         cmocka_unit_test(test_private_rejects), cmocka_unit_test(test_public_rejects),
         cmocka_unit_test(test_every_hex_digit), cmocka_unit_test(test_hyphen_positions),
-        cmocka_unit_test(test_length_bounded),  cmocka_unit_test(test_output_terminated), cmocka_unit_test(test_shard),
+        cmocka_unit_test(test_length_bounded),  cmocka_unit_test(test_output_terminated),
+        cmocka_unit_test(test_shard),
     };
     return cmocka_run_group_tests_name("uuid", tests, NULL, NULL);
 }
