@@ -5,7 +5,10 @@ single active consumer of each partition.
 Builds on conftest.py (Consumer, Daemon, Db, wait_until) and relay_helpers.py. The pieces:
 
 - `group_queue` fixture: a factory of queue names whose whole partitioned topology (QUEUE,
-  QUEUE.p0.., QUEUE.dlq, the exchanges QUEUE.hash and QUEUE.dlx) is deleted after the test.
+  QUEUE.p0.., QUEUE.dlq, the exchanges QUEUE.part, QUEUE.part.unkeyed and QUEUE.dlx, and an
+  older idem's QUEUE.hash) is deleted after the test.
+- `shard` / `partition_of`: where the contract routes a subscription (md5 of its id, mod 1024,
+  mod P).
 - `GroupConsumer`: an `idem consume` process that may be SIGKILLed and started again; it is
   ready when its log says it consumes (again), since a partitioned group has no queue QUEUE.
 - `plan_billing` / `Emitter`: payment.failed and invoice.paid sequences per subscription, emitted
@@ -42,8 +45,22 @@ def partitions(queue, p):
     return [f"{queue}.p{i}" for i in range(p)]
 
 
+def shard(sub):
+    """The contract's shard of a subscription: the first 4 bytes of md5(its lowercase canonical
+    text), big-endian, mod 1024."""
+    import hashlib
+    canon = str(uuid.UUID(sub))
+    return int.from_bytes(hashlib.md5(canon.encode()).digest()[:4], "big") % 1024
+
+
+def partition_of(subs, p):
+    """{subscription: partition index} of a group of p partitions."""
+    return {s: shard(s) % p for s in subs}
+
+
 def delete_topology(amqp_url, queue):
-    """Deletes QUEUE, QUEUE.p0..p15, QUEUE.dlq and the exchanges QUEUE.hash and QUEUE.dlx."""
+    """Deletes QUEUE, QUEUE.p0..p15, QUEUE.dlq and the exchanges QUEUE.part, QUEUE.part.unkeyed,
+    QUEUE.hash and QUEUE.dlx."""
     params = pika.URLParameters(amqp_url.split(",")[0])
     params.connection_attempts = 1
     params.socket_timeout = 5
@@ -56,7 +73,7 @@ def delete_topology(amqp_url, queue):
                     ch = conn.channel()
                 with contextlib.suppress(Exception):
                     ch.queue_delete(queue=q)
-            for x in (queue + ".hash", queue + ".dlx"):
+            for x in (queue + ".part", queue + ".part.unkeyed", queue + ".hash", queue + ".dlx"):
                 if ch.is_closed:
                     ch = conn.channel()
                 with contextlib.suppress(Exception):
@@ -199,39 +216,6 @@ def active_consumers(rmqctl, queues, procs):
             port = conns.get(channels.get(c["channel_pid"]))
             out[c["queue_name"]] = port_owner.get(port, "?")
     return out
-
-
-def partition_of(amqp_url, queue, p, subs):
-    """{subscription: partition index}: where the group's hash exchange routes each subscription.
-    Publishes one probe per subscription straight to QUEUE.hash and takes the probes back off the
-    partition queues; use it only while no process consumes the group."""
-    params = pika.URLParameters(amqp_url.split(",")[0])
-    params.connection_attempts = 1
-    params.socket_timeout = 5
-    conn = pika.BlockingConnection(params)
-    try:
-        ch = conn.channel()
-        ch.confirm_delivery()
-        for s in subs:
-            ch.basic_publish(queue + ".hash", "probe", b"probe",
-                             pika.BasicProperties(headers={"subscription_id": s}),
-                             mandatory=True)
-        out = {}
-        # basic.get is refused on quorum queues with a single active consumer: consume instead
-        for i, q in enumerate(partitions(queue, p)):
-            for method, props, _ in ch.consume(q, auto_ack=True, inactivity_timeout=0.3):
-                if method is None:
-                    break
-                s = props.headers["subscription_id"]
-                s = s.decode() if isinstance(s, bytes) else s
-                assert s not in out, f"probe of {s} found in two partitions"
-                out[s] = i
-            ch.cancel()
-        assert len(out) == len(subs), f"only {len(out)} of {len(subs)} probes came back"
-        return out
-    finally:
-        with contextlib.suppress(Exception):
-            conn.close()
 
 
 # ----------------------------------------------------------------------------- the load
@@ -499,7 +483,7 @@ def takeover_seconds(query, kill_at, subs_by_partition):
     return out
 
 
-__all__ = ["BILLING_TYPES", "partitions", "delete_topology", "group_queue", "GroupConsumer",
+__all__ = ["BILLING_TYPES", "partitions", "shard", "delete_topology", "group_queue", "GroupConsumer",
            "Endpoints", "group_consumers", "active_consumers", "partition_of", "Event",
            "md5_uuid", "plan_billing", "simulate", "Emitter", "install_effect_log", "audit",
            "takeover_seconds"]

@@ -1,20 +1,23 @@
 """The partitioned topology is the contract's ("Order and scale-out"), so that every process of a
 group, on any machine, and operators' tooling agree on it:
 
-- `--partitions 4`: a durable x-consistent-hash exchange Q.hash (hash-header subscription_id)
-  bound to the main exchange with the binding keys; durable quorum queues Q.p0..Q.p3 with
-  x-single-active-consumer, bound to Q.hash with weight "1", dead-lettering to Q.dlq through
-  Q.dlx; no queue Q. Without single active consumers two processes would apply one
-  subscription's events at once; without the hash on subscription_id its events would spread
-  over partitions and lose their order.
-- Events of one subscription always land in the same partition, in emit order.
+- `--partitions 4`: a durable direct exchange Q.part (alternate exchange Q.part.unkeyed, a
+  fanout bound to Q.p0) bound to the main exchange with the binding keys; durable quorum queues
+  Q.p0..Q.p3 with x-single-active-consumer, partition i bound to Q.part with the shard keys
+  idem.shard.N for N mod 4 = i, dead-lettering to Q.dlq through Q.dlx; no queue Q, no Q.hash.
+  Without single active consumers two processes would apply one subscription's events at once;
+  without the shard keys its events would spread over partitions and lose their order.
+- Events of one subscription always land, once, in the partition its shard names, in emit
+  order; the relay's BCC header is gone when they arrive; a queue bound `#` on the main exchange
+  still gets one copy; a message without a shard key (a foreign publisher) lands once in Q.p0.
 - A process whose --partitions differs from the declared group exits 1 with one line (else two
   topologies would split one subscription's events between processes).
 - `--partition 1,3` consumes those partitions only (else a process meant for some partitions would
   take over others).
-- Without the rabbitmq_consistent_hash_exchange plugin, --partitions 2 exits 1 with one line
-  naming it (else the consumer would loop on a declare the broker refuses).
-- `--partitions 1` (the default) keeps the single queue Q, bound directly to the main exchange."""
+- No RabbitMQ plugin is needed: --partitions 2 runs on a broker without the consistent-hash
+  plugin.
+- `--partitions 1` (the default) keeps the single queue Q, bound directly to the main exchange,
+  with x-single-active-consumer too."""
 
 import contextlib
 import json
@@ -26,7 +29,7 @@ import pytest
 
 from conftest import EXCHANGE, IDEM, Broker, new_id, payload, wait_until
 from group_helpers import (BILLING_TYPES, group_consumers, group_queue, partition_of,
-                           partitions)
+                           partitions, shard)
 from ha_helpers import instance
 from relay_helpers import emit_many, read_queue, relay_once
 
@@ -82,9 +85,11 @@ def test_partitioned_topology_is_the_contracts(db, servers, group_queue, group_c
 
     xs = {x["name"]: x for x in rabbit(servers, "list_exchanges", "name", "type", "durable",
                                         "arguments")}
-    assert xs[q + ".hash"]["type"] == "x-consistent-hash"
-    assert xs[q + ".hash"]["durable"] is True
-    assert xs[q + ".hash"]["arguments"] == {"hash-header": "subscription_id"}
+    assert q + ".hash" not in xs
+    assert xs[q + ".part"]["type"] == "direct" and xs[q + ".part"]["durable"] is True
+    assert xs[q + ".part"]["arguments"] == {"alternate-exchange": q + ".part.unkeyed"}
+    assert xs[q + ".part.unkeyed"]["type"] == "fanout"
+    assert xs[q + ".part.unkeyed"]["durable"] is True
     assert xs[q + ".dlx"]["type"] == "direct" and xs[q + ".dlx"]["durable"] is True
 
     qs = {x["name"]: x for x in rabbit(servers, "list_queues", "name", "durable", "type",
@@ -104,10 +109,11 @@ def test_partitioned_topology_is_the_contracts(db, servers, group_queue, group_c
     ours = [(b["source_name"], b["destination_name"], b["destination_kind"], b["routing_key"])
             for b in binds if b["source_name"] and (b["destination_name"].startswith(q)
                                                     or b["source_name"].startswith(q))]
-    want = {(EXCHANGE, q + ".hash", "exchange", t) for t in BILLING_TYPES}
-    want |= {(q + ".hash", name, "queue", "1") for name in partitions(q, P)}
+    want = {(EXCHANGE, q + ".part", "exchange", t) for t in BILLING_TYPES}
+    want |= {(q + ".part", f"{q}.p{n % P}", "queue", f"idem.shard.{n}") for n in range(1024)}
+    want |= {(q + ".part.unkeyed", q + ".p0", "queue", "")}
     want |= {(q + ".dlx", q + ".dlq", "queue", q + ".dlq")}
-    assert set(ours) == want and len(ours) == len(want), sorted(ours)
+    assert set(ours) == want and len(ours) == len(want), sorted(set(ours) ^ want)[:10]
 
     # the process consumes every partition
     for name in partitions(q, P):
@@ -118,28 +124,50 @@ def test_one_subscription_always_lands_in_the_same_partition(db, servers, broker
                                                              group_consumers):
     q = group_queue("land")
     declare_group(group_consumers, db, q, P)
-    subs = [f"00000000-0000-4000-8000-{i:012x}" for i in range(40)]
-    events = [("payment.failed", s, f"{s}:{n}", payload(subscription_id=s, n=n))
-              for n in range(5) for s in subs]
-    emit_many(db, events)
-    r = relay_once(db, servers)
-    assert r.returncode == 0, r.stderr
-    assert db.count("event_outbox", "status = 'sent'") == len(events)
+    # a queue of another consumer bound to everything: one copy of each event, BCC or not
+    tap = q + ".tap"
+    with broker.channel() as ch:
+        ch.queue_declare(tap, durable=True, arguments={"x-queue-type": "quorum"})
+        ch.queue_bind(tap, EXCHANGE, routing_key="#")
+    try:
+        subs = [f"00000000-0000-4000-8000-{i:012x}" for i in range(40)]
+        events = [("payment.failed", s, f"{s}:{n}", payload(subscription_id=s, n=n))
+                  for n in range(5) for s in subs]
+        emit_many(db, events)
+        r = relay_once(db, servers)
+        assert r.returncode == 0, r.stderr
+        assert db.count("event_outbox", "status = 'sent'") == len(events)
 
-    home = {}
-    for i, name in enumerate(partitions(q, P)):
-        got = read_queue(broker, name, idle=0.5, timeout=5)
-        seqs = {}
-        for m in got:
-            assert home.setdefault(m.sub, i) == i, f"{m.sub} in partitions {home[m.sub]} and {i}"
-            seqs.setdefault(m.sub, []).append((m.headers["x-idem-seq"], m.n))
-        for s, pairs in seqs.items():
-            assert [n for _, n in pairs] == list(range(5)), f"{s} in {name}: {pairs}"
-            assert [x for x, _ in pairs] == sorted(x for x, _ in pairs)
-    assert sorted(home) == sorted(subs), "some events reached no partition"
-    assert set(home.values()) == set(range(P)), f"a partition got nothing: {home}"
-    # the same routing as a probe through the hash exchange says
-    assert partition_of(servers.amqp_url, q, P, subs) == home
+        home = {}
+        total = 0
+        for i, name in enumerate(partitions(q, P)):
+            got = read_queue(broker, name, idle=0.5, timeout=5)
+            total += len(got)
+            seqs = {}
+            for m in got:
+                assert "BCC" not in m.headers, m.headers
+                assert home.setdefault(m.sub, i) == i, f"{m.sub} in partitions {home[m.sub]}, {i}"
+                seqs.setdefault(m.sub, []).append((m.headers["x-idem-seq"], m.n))
+            for s, pairs in seqs.items():
+                assert [n for _, n in pairs] == list(range(5)), f"{s} in {name}: {pairs}"
+                assert [x for x, _ in pairs] == sorted(x for x, _ in pairs)
+        assert total == len(events), f"{total} deliveries for {len(events)} events"
+        assert sorted(home) == sorted(subs), "some events reached no partition"
+        assert set(home.values()) == set(range(P)), f"a partition got nothing: {home}"
+        # where the contract's shard says, which no broker state can change
+        assert home == partition_of(subs, P)
+        assert shard(subs[0].upper()) == shard(subs[0])
+        tapped = read_queue(broker, tap, idle=0.5, timeout=5)
+        assert len(tapped) == len(events), f"the # queue got {len(tapped)} of {len(events)}"
+        assert all("BCC" not in m.headers for m in tapped)
+
+        # a foreign publisher's message carries no shard key: once, in p0
+        broker.publish_event("payment.failed", payload(subscription_id=subs[0]))
+        assert len(read_queue(broker, q + ".p0", idle=0.5, timeout=5)) == 1
+        for name in partitions(q, P)[1:]:
+            assert broker.depth(name) == 0, name
+    finally:
+        broker.delete_queue(tap)
 
 
 @pytest.mark.parametrize("declared, asked", [(4, 2), (2, 4)])
@@ -186,14 +214,15 @@ def test_partition_list_consumes_only_those(db, servers, broker, group_queue, gr
     q = group_queue("list")
     declare_group(group_consumers, db, q, P)
     subs = [f"00000000-0000-4000-8000-{i:012x}" for i in range(40)]
-    where = partition_of(servers.amqp_url, q, P, subs)
+    where = partition_of(subs, P)
     c = group_consumers("billing", q, db, ["--partitions", str(P), "--partition", "1,3"])
     assert "consuming 2 queues" in c.log()
     assert [broker.queue_info(n)[1] for n in partitions(q, P)] == [0, 1, 0, 1]
 
-    # as the relay publishes them: the hash exchange routes on the subscription_id header
+    # as the relay publishes them: the shard key in BCC
     ids = {s: broker.publish_event("payment.failed", payload(subscription_id=s),
-                                   headers={"subscription_id": s}) for s in subs}
+                                   headers={"subscription_id": s,
+                                            "BCC": [f"idem.shard.{shard(s)}"]}) for s in subs}
     mine = [s for s in subs if where[s] in (1, 3)]
     others = [s for s in subs if where[s] in (0, 2)]
     assert mine and others
@@ -211,10 +240,10 @@ def test_partitions_1_keeps_the_single_queue(db, servers, broker, group_queue, g
     c = group_consumers("billing", q, db, ["--partitions", "1"])
     qs = {x["name"]: x for x in rabbit(servers, "list_queues", "name", "type", "arguments")}
     assert qs[q]["type"] == "quorum"
-    assert "x-single-active-consumer" not in qs[q]["arguments"]
+    assert qs[q]["arguments"].get("x-single-active-consumer") is True, qs[q]["arguments"]
     assert not [n for n in qs if n.startswith(q + ".p")]
     xs = {x["name"] for x in rabbit(servers, "list_exchanges", "name")}
-    assert q + ".hash" not in xs
+    assert q + ".hash" not in xs and q + ".part" not in xs
     binds = {(b["source_name"], b["routing_key"]) for b in rabbit(
         servers, "list_bindings", "source_name", "destination_name", "routing_key")
         if b["destination_name"] == q and b["source_name"]}
@@ -227,19 +256,12 @@ def test_partitions_1_keeps_the_single_queue(db, servers, broker, group_queue, g
 
 
 @pytest.mark.cluster
-def test_without_the_hash_plugin_partitions_exits_1_naming_it(db, servers):
-    """Starts a RabbitMQ of its own without the plugin (marked cluster: servers of its own)."""
+def test_partitions_need_no_plugin(db, servers):
+    """Starts a RabbitMQ of its own without the consistent-hash plugin (marked cluster: servers
+    of its own)."""
     with instance("--no-hash-plugin") as inst:
         assert inst.env["IDEM_RMQ_HASH_PLUGIN"] == "0"
         q = f"it.grp.noplugin.{new_id()[:8]}"
         status, err = consume_exit(db, servers, q, "--partitions", "2",
-                                   amqp_url=inst.amqp_url(1))
-        assert status == 1, f"exit {status}, stderr {err!r}"
-        lines = err.splitlines()
-        assert len(lines) == 1, err
-        assert lines[0].startswith("idem consume: ")
-        assert "rabbitmq_consistent_hash_exchange" in lines[0]
-        # P = 1 needs no plugin
-        status, err = consume_exit(db, servers, q + ".one", amqp_url=inst.amqp_url(1),
-                                   consuming=q + ".one")
-        assert status is None, f"--partitions 1 without the plugin exited {status}: {err!r}"
+                                   amqp_url=inst.amqp_url(1), consuming=q + ".p0")
+        assert status is None, f"--partitions 2 without the plugin exited {status}: {err!r}"

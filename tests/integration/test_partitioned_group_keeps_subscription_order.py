@@ -44,11 +44,10 @@ def test_partitioned_group_keeps_subscription_order_through_sigkills(
     plan, order = plan_billing(SUBS, PER_SUB, seed=4)
     args = ["--partitions", str(P)]
 
-    # Declare the group's topology, then learn where each subscription is routed (probes only
-    # while nobody consumes).
+    # Declare the group's topology; each subscription's partition follows from its id.
     first = group_consumers("billing", q, db, args, label="c0")
     assert first.stop() == 0
-    where = partition_of(servers.amqp_url, q, P, list(plan))
+    where = partition_of(list(plan), P)
     subs_by_partition = {i: [s for s, p in where.items() if p == i] for i in range(P)}
     assert all(subs_by_partition.values()), f"a partition got no subscription: {where}"
 
