@@ -42,8 +42,9 @@ static int mismatch(idem_consumer_t *c, const char *declared, idem_error_t *err)
 {
     return idem_error_set(err, IDEM_ERR_REFUSED,
                           "%s is declared %s, this process has --partitions %d; every process of "
-                          "a group must use the same --partitions (to change it: drain, delete "
-                          "the old queues, start again)",
+                          "a group must use the same --partitions (to change it: stop the relay, "
+                          "drain, delete the old queues, start again; README \"Upgrading and "
+                          "changing --partitions\")",
                           c->queue, declared, c->cfg.partitions);
 }
 
@@ -89,7 +90,8 @@ static int check_partition_count(idem_consumer_t *c, idem_error_t *err)
     if (more == IDEM_OK || (has_first == IDEM_OK && has_last == IDEM_ERR_NOT_FOUND))
         rc = idem_error_set(err, IDEM_ERR_REFUSED,
                             "%s is already partitioned %s %d queues (%s.p0, ...); every process "
-                            "of a group must use the same --partitions",
+                            "of a group must use the same --partitions (to change it: README "
+                            "\"Upgrading and changing --partitions\")",
                             c->queue, more == IDEM_OK ? "into more than" : "into fewer than", p,
                             c->queue);
     else if (more != IDEM_ERR_NOT_FOUND && more != IDEM_OK)
@@ -116,9 +118,10 @@ static int inequivalent(const char *name, idem_error_t *err)
         err->code = 0;
     return idem_error_set(err, IDEM_ERR_REFUSED,
                           "%s exists with other arguments than this idem declares (a quorum queue "
-                          "with x-single-active-consumer, as from an older idem): drain it, "
-                          "delete it and start again (README \"Upgrading and changing "
-                          "--partitions\"); RabbitMQ said: %.200s",
+                          "with x-single-active-consumer; an older idem declared it without): "
+                          "stop the relay, let the old consumers drain it, stop them, delete it "
+                          "and start again (README \"Upgrading and changing --partitions\"); "
+                          "RabbitMQ said: %.200s",
                           name, said);
 }
 
@@ -131,25 +134,36 @@ static int declare_queue(idem_consumer_t *c, const char *name, const idemp_queue
     return rc;
 }
 
-/* An older idem partitioned a group through the consistent-hash exchange QUEUE.hash: its
- * partitions are bound to it, so this group must be drained and deleted first. */
-static int check_no_ring(idem_consumer_t *c, idem_error_t *err)
+/* An older idem partitioned a group through the consistent-hash exchange QUEUE.hash. While its
+ * partitions are bound to it the group must not be used: it is to be drained and its queues
+ * deleted first. Once they are, QUEUE.hash routes nowhere and is deleted here (if_unused: never
+ * while anything is bound to it); with --no-declare it must be gone. */
+static int check_no_ring(idem_consumer_t *c, bool may_delete, idem_error_t *err)
 {
     char *hash = idemp_consumer_name("%s.hash", c->queue, 0);
     if (hash == NULL)
         return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
     idem_error_t e = {0};
+    bool in_use = true;
     int rc = idemp_amqp_declare_exchange(c->in, hash, "x-consistent-hash", NULL, true, &e);
-    if (rc == IDEM_OK)
-        rc = idem_error_set(err, IDEM_ERR_REFUSED,
-                            "%s exists: %s was partitioned by an older idem through a hash ring; "
-                            "drain the group, delete %s and its queues %s.p0, ... and start again "
-                            "(README \"Upgrading and changing --partitions\")",
-                            hash, c->queue, hash, c->queue);
-    else if (rc == IDEM_ERR_NOT_FOUND)
+    if (rc == IDEM_ERR_NOT_FOUND) {
         rc = IDEM_OK;
-    else if (err != NULL && err->code == 0)
+        in_use = false;
+    } else if (rc == IDEM_OK && may_delete) {
+        rc = idemp_amqp_delete_unused_exchange(c->in, hash, &in_use, err);
+        if (rc == IDEM_OK && !in_use)
+            idemp_consumer_log(IDEM_LOG_INFO, c, NULL,
+                               "deleted %s, the unused hash exchange of an older idem", hash);
+    } else if (rc != IDEM_OK && err != NULL && err->code == 0) {
         *err = e;
+    }
+    if (rc == IDEM_OK && in_use)
+        rc = idem_error_set(err, IDEM_ERR_REFUSED,
+                            "%s exists%s: %s was partitioned by an older idem through a hash "
+                            "ring; stop the relay, let the old consumers drain the group, stop "
+                            "them, delete the queues %s.p0, ... and start again (README "
+                            "\"Upgrading and changing --partitions\")",
+                            hash, may_delete ? " with queues bound to it" : "", c->queue, c->queue);
     free(hash);
     return rc;
 }
@@ -173,7 +187,7 @@ static int bind_shards(idem_consumer_t *c, const char *queue, int i, idem_error_
  * shard has its partition (a shard not bound yet would reach p0 through the alternate exchange). */
 static int declare_partitions(idem_consumer_t *c, const idemp_queue_spec_t *spec, idem_error_t *err)
 {
-    int rc = check_no_ring(c, err);
+    int rc = check_no_ring(c, true, err);
     if (rc == IDEM_OK)
         rc = check_partition_count(c, err);
     if (rc == IDEM_OK)
@@ -223,7 +237,7 @@ static int check_topology(idem_consumer_t *c, idem_error_t *err)
     if (rc == IDEM_OK && c->cfg.partitions == 1)
         rc = check_not_partitioned(c, err);
     if (rc == IDEM_OK && c->cfg.partitions > 1)
-        rc = check_no_ring(c, err);
+        rc = check_no_ring(c, false, err);
     if (rc == IDEM_OK && c->cfg.partitions > 1)
         rc = check_partition_count(c, err);
     if (rc == IDEM_OK && c->cfg.partitions > 1)

@@ -89,6 +89,10 @@ int idemp_amqp_declare_exchange(idemp_amqp_t *a, const char *name, const char *t
                                 const char *alternate, bool passive, idem_error_t *err);
 int idemp_amqp_declare_queue(idemp_amqp_t *a, const char *name, const idemp_queue_spec_t *spec,
                              bool passive, idem_error_t *err);
+/* Deletes exchange name unless queues or exchanges are bound to it (then *in_use, IDEM_OK); a
+ * missing one counts as deleted. */
+int idemp_amqp_delete_unused_exchange(idemp_amqp_t *a, const char *name, bool *in_use,
+                                      idem_error_t *err);
 int idemp_amqp_bind(idemp_amqp_t *a, const char *queue, const char *exchange, const char *key,
                     idem_error_t *err);
 int idemp_amqp_bind_exchange(idemp_amqp_t *a, const char *dest, const char *source, const char *key,

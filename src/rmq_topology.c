@@ -31,10 +31,12 @@ static int passive_result(idemp_amqp_t *a, int rc, const char *name, idem_error_
     return rc;
 }
 
-/* After a 404 the channel is closed but the connection lives: open the channel again. */
+/* After a 404 (or a 406) the channel is closed but the connection lives: open the channel
+ * again. */
 static int reopen_channel(idemp_amqp_t *a, idem_error_t *err)
 {
-    if (a->conn == NULL || a->close_code != AMQP_NOT_FOUND)
+    if (a->conn == NULL ||
+        (a->close_code != AMQP_NOT_FOUND && a->close_code != AMQP_PRECONDITION_FAILED))
         return IDEM_ERR_AMQP;
     a->connected = true;
     amqp_channel_open(a->conn, IDEMP_CHANNEL);
@@ -103,6 +105,24 @@ int idemp_amqp_declare_queue(idemp_amqp_t *a, const char *name, const idemp_queu
     }
     amqp_queue_declare(a->conn, IDEMP_CHANNEL, amqp_cstring_bytes(name), passive, 1, 0, 0, args);
     return declared(a, "queue.declare", name, passive, err);
+}
+
+int idemp_amqp_delete_unused_exchange(idemp_amqp_t *a, const char *name, bool *in_use,
+                                      idem_error_t *err)
+{
+    if (!a->connected)
+        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s", a->where);
+    *in_use = false;
+    amqp_exchange_delete(a->conn, IDEMP_CHANNEL, amqp_cstring_bytes(name), 1);
+    idem_error_t ee = {0};
+    int rc = idemp_amqp_check_rpc(a, amqp_get_rpc_reply(a->conn), "exchange.delete", &ee);
+    if (rc != IDEM_OK && a->close_code == AMQP_PRECONDITION_FAILED) {
+        *in_use = true;
+        return reopen_channel(a, err);
+    }
+    if (rc != IDEM_OK && err != NULL && err->code == 0)
+        *err = ee;
+    return rc;
 }
 
 int idemp_amqp_bind(idemp_amqp_t *a, const char *queue, const char *exchange, const char *key,
