@@ -6,6 +6,7 @@ import os
 import re
 import select
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -147,6 +148,21 @@ class FreezableProxy:
             for _, _, frozen in self.conns:
                 frozen.set()
             return len(self.conns)
+
+    def reset_frozen_clients(self):
+        """Resets (RST) the client side of every frozen connection and leaves its broker side
+        open and silent: the daemon sees its link reset and reconnects at once, while the broker
+        believes in the old connection until its heartbeat timeout."""
+        n = 0
+        with self.lock:
+            for cli, _, frozen in self.conns:
+                if frozen.is_set() and cli.fileno() >= 0:
+                    with contextlib.suppress(OSError):
+                        cli.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                       struct.pack("ii", 1, 0))
+                        cli.close()
+                        n += 1
+        return n
 
     def close(self):
         self.closing.set()
