@@ -69,7 +69,8 @@ def wait_all_sent(db, n, timeout=20, what=None):
 
 def queue_args(queue):
     """The arguments `idem consume` declares QUEUE with (src/rmq.c, src/consumer.c)."""
-    return {"x-queue-type": "quorum", "x-dead-letter-exchange": queue + ".dlx",
+    return {"x-queue-type": "quorum", "x-single-active-consumer": True,
+            "x-dead-letter-exchange": queue + ".dlx",
             "x-dead-letter-routing-key": queue + ".dlq"}
 
 
