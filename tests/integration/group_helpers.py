@@ -309,8 +309,7 @@ class Emitter(threading.Thread):
                 # global order (the consumers' batches take them sorted too), as the README asks
                 ordered = sorted(chunk, key=lambda e: e.sub)
                 due = t0 + i / self.rate
-                if due > time.monotonic():
-                    time.sleep(due - time.monotonic())
+                time.sleep(max(0.0, due - time.monotonic()))
                 committing = False
                 try:
                     if conn is None or conn.closed:
