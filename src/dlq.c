@@ -168,7 +168,8 @@ static bool selected(const idem_dlq_config_t *cfg, const idemp_msg_t *m)
 }
 
 /* Where a requeued message goes: the consumer's queue through the default exchange, or a
- * partitioned group's hash exchange (which picks the partition of its subscription). */
+ * partitioned group's QUEUE.part (*key NULL: each message with its subscription's shard key,
+ * see shard_key). */
 static int target(idemp_amqp_t *a, const char *queue, char **exchange, const char **key,
                   idem_error_t *err)
 {
@@ -188,14 +189,28 @@ static int target(idemp_amqp_t *a, const char *queue, char **exchange, const cha
     *exchange = malloc(n);
     if (*exchange == NULL)
         return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
-    snprintf(*exchange, n, "%s.hash", queue);
-    *key = "";
-    rc = idemp_amqp_declare_exchange(a, *exchange, "x-consistent-hash", NULL, true, &e);
+    snprintf(*exchange, n, "%s.part", queue);
+    *key = NULL;
+    rc = idemp_amqp_declare_exchange(a, *exchange, "direct", NULL, true, &e);
     if (rc == IDEM_ERR_NOT_FOUND)
         return idem_error_set(err, rc, "neither queue %s nor exchange %s exists", queue, *exchange);
     if (rc != IDEM_OK)
         *err = e;
     return rc;
+}
+
+/* The shard key of m's subscription_id header (the relay's BCC is gone from a delivered
+ * message), or "" without one: QUEUE.part then sends it to QUEUE.p0, like a foreign message. */
+static void shard_key(const idemp_msg_t *m, char *out, size_t n)
+{
+    size_t len = 0;
+    const char *s = idemp_msg_header(m, "subscription_id", &len);
+    char id[37];
+    int shard = s != NULL && idemp_uuid_normalize(s, len, id) ? idemp_uuid_shard(id) : -1;
+    if (shard >= 0)
+        snprintf(out, n, "idem.shard.%d", shard);
+    else
+        out[0] = '\0';
 }
 
 int idem_dlq_requeue(const idem_dlq_config_t *cfg, int *moved, idem_error_t *err)
@@ -222,7 +237,10 @@ int idem_dlq_requeue(const idem_dlq_config_t *cfg, int *moved, idem_error_t *err
             break;
         }
         if (rc == IDEM_OK && selected(cfg, m)) {
-            rc = idemp_amqp_requeue(out, m, exchange, key, CONFIRM_TIMEOUT_MS, err);
+            char shard[24];
+            if (key == NULL)
+                shard_key(m, shard, sizeof shard);
+            rc = idemp_amqp_requeue(out, m, exchange, key ? key : shard, CONFIRM_TIMEOUT_MS, err);
             if (rc == IDEM_OK)
                 rc = idemp_amqp_ack(in, idemp_msg_tag(m), false, err);
             if (rc == IDEM_OK)

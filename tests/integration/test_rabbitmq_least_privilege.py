@@ -7,7 +7,8 @@ that component must not do.
   and exits 1 with one line when the exchange it would use is missing.
 - consumer of QUEUE: declares and consumes its own topology, dead-letters through QUEUE.dlx with
   no write permission on the default exchange or on QUEUE.dlq; cannot publish events, nor read
-  another consumer's queue. Partitioned (--partitions 2) likewise with QUEUE.hash and QUEUE.p<N>.
+  another consumer's queue. Partitioned (--partitions 2) likewise with QUEUE.part,
+  QUEUE.part.unkeyed and QUEUE.p<N>.
 - consumer with --no-declare: no configure permission; runs (and dead-letters) when the topology
   exists, exits 1 with one line naming what is missing when it does not; without --no-declare
   the same user is refused by the broker.
@@ -41,18 +42,16 @@ def permissions(component, queue=None, partitions=1, no_declare=False):
         return (NONE if no_declare else f"^{ex}$", f"^{ex}$", NONE)
     if component == "consumer":
         own = [q] if partitions == 1 else [rf"{q}\.p[0-9]+"]
-        if no_declare:  # consume its queues, publish dead letters to QUEUE.dlx (and fences)
-            write = rf"^{q}\.dlx$" if partitions == 1 else rf"^({q}\.dlx|amq\.default)$"
-            return (NONE, write, "^(" + "|".join(own) + ")$")
+        if no_declare:  # consume its queues, publish dead letters to QUEUE.dlx
+            return (NONE, rf"^{q}\.dlx$", "^(" + "|".join(own) + ")$")
         if partitions > 1:
-            own.append(rf"{q}\.hash")
+            own.append(rf"{q}\.part(\.unkeyed)?")
         configure = [ex, *own, rf"{q}\.dlq", rf"{q}\.dlx"]
-        # a partitioned group sends fences straight to a partition (the default exchange)
-        write = [*own, rf"{q}\.dlq", rf"{q}\.dlx"] + ([r"amq\.default"] if partitions > 1 else [])
+        write = [*own, rf"{q}\.dlq", rf"{q}\.dlx"]
         read = [ex, *own, rf"{q}\.dlx"]
         return tuple("^(" + "|".join(x) + ")$" for x in (configure, write, read))
     if component == "operator":  # dlq list / requeue for one queue
-        target = r"amq\.default" if partitions == 1 else rf"{q}\.hash"
+        target = r"amq\.default" if partitions == 1 else rf"{q}\.part"
         return (NONE, f"^{target}$", rf"^{q}\.dlq$")
     raise ValueError(component)
 
