@@ -387,10 +387,10 @@ def declare(B, queue, amqp_url, args=(), partitions=1, check_url=None):
 
 
 def delete_group(broker, queue, partitions):
-    """Deletes a group's queues (QUEUE or QUEUE.p*, QUEUE.dlq) and exchanges (.hash, .dlx)."""
+    """Deletes a group's queues (QUEUE or QUEUE.p*, QUEUE.dlq) and exchanges (.part, .dlx, ...)."""
     for qn in [queue, queue + ".dlq"] + [f"{queue}.p{i}" for i in range(partitions)]:
         broker.delete_queue(qn)
-    for x in (queue + ".hash", queue + ".dlx"):
+    for x in (queue + ".part", queue + ".part.unkeyed", queue + ".hash", queue + ".dlx"):
         try:
             with broker.channel() as ch:
                 ch.exchange_delete(exchange=x)

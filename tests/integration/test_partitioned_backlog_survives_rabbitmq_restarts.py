@@ -17,7 +17,7 @@ import time
 
 from conftest import wait_until
 from group_helpers import (Emitter, audit, group_consumers, group_queue, install_effect_log,
-                           partitions, plan_billing)
+                           partition_of, partitions, plan_billing)
 from relay_helpers import relay_daemons
 
 __all__ = ["group_consumers", "group_queue", "relay_daemons"]
@@ -48,6 +48,7 @@ def test_partitioned_backlog_keeps_order_across_rabbitmq_restarts(
         wait_until(lambda: db.count("event_outbox", "status = 'sent'") >= n, 90, 0.1,
                    lambda: f"{n} rows sent (have {db.count('event_outbox', 'status = %s', 'sent')})")
 
+    where = partition_of(list(plan), P)
     emitted = 0
     for p in procs:
         assert p.stop() == 0, p.log()[-3000:]
@@ -63,6 +64,9 @@ def test_partitioned_backlog_keeps_order_across_rabbitmq_restarts(
         servers.rmq_start()
         print(f"\nrestart {r + 1}: backlog {backlog}, RabbitMQ back after "
               f"{time.monotonic() - t0:.1f} s")
+        # the backlog is where each subscription's shard says, restart or not
+        want = [sum(where[e.sub] == i for e in order[:emitted]) for i in range(P)]
+        assert [broker.depth(n) for n in partitions(q, P)] == want
 
     for p in procs:
         p.start()
