@@ -29,7 +29,8 @@
 # OPTIONS (start and with):
 #   --durable          PostgreSQL with fsync, synchronous_commit and full_page_writes on; without
 #                      it they are off (throw-away data)
-#   --no-hash-plugin   leave rabbitmq_consistent_hash_exchange disabled (it is enabled by default)
+#   --no-hash-plugin   leave rabbitmq_consistent_hash_exchange disabled (it is enabled by default:
+#                      idem needs no plugin, an older idem's hash ring in the upgrade test does)
 #   --rmq-nodes N      a RabbitMQ cluster of N nodes (1-9, default 1) on this machine: own node
 #                      name, AMQP and dist port, data and logs each, one cookie and one private epmd;
 #                      nodes 2..N join node 1. Quorum queues need a majority of the nodes up.

@@ -7,7 +7,6 @@
 #include <string.h>
 
 #include "consumer_int.h"
-#include "uuid.h"
 
 /* ---- topology ----------------------------------------------------------------------------- */
 

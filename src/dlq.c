@@ -206,7 +206,7 @@ static void shard_key(const idemp_msg_t *m, char *out, size_t n)
     size_t len = 0;
     const char *s = idemp_msg_header(m, "subscription_id", &len);
     char id[37];
-    int shard = s != NULL && idemp_uuid_normalize(s, len, id) ? idemp_uuid_shard(id) : -1;
+    int shard = s != NULL && idemp_uuid_normalize(s, len, id) ? idemp_amqp_shard(id) : -1;
     if (shard >= 0)
         snprintf(out, n, "idem.shard.%d", shard);
     else

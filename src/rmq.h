@@ -75,6 +75,14 @@ int idemp_amqp_service(idemp_amqp_t *a, idem_error_t *err);
  * nothing. For a consumer busy in the database between reads. */
 void idemp_amqp_keepalive(idemp_amqp_t *a);
 
+/* ---- shards ---- */
+
+/* The shard of a subscription (see CONTRACT "Messages on the wire"): the first 4 bytes of
+ * md5(its lowercase canonical text), big-endian unsigned, modulo IDEMP_SHARDS; its key
+ * idem.shard.N is what the relay sends in BCC. -1 if subscription_id is not a UUID. */
+#define IDEMP_SHARDS 1024
+int idemp_amqp_shard(const char *subscription_id);
+
 /* ---- topology (passive = only check that it exists: IDEM_ERR_NOT_FOUND if not) ---- */
 
 typedef struct idemp_queue_spec {

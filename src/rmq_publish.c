@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include <jansson.h>
+#include <openssl/evp.h>
 
 #include "rmq_int.h"
 #include "uuid.h"
@@ -212,6 +213,20 @@ int idemp_amqp_dead_letter(idemp_amqp_t *out, idemp_amqp_t *in, idemp_msg_t *m,
 
 /* ---- event publishes (the relay) ------------------------------------------------------------ */
 
+int idemp_amqp_shard(const char *subscription_id)
+{
+    char canon[37];
+    if (subscription_id == NULL ||
+        !idemp_uuid_normalize(subscription_id, strlen(subscription_id), canon))
+        return -1;
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int mdlen = 0;
+    if (EVP_Digest(canon, 36, md, &mdlen, EVP_md5(), NULL) != 1 || mdlen < 4)
+        return -1;
+    uint32_t v = (uint32_t)md[0] << 24 | (uint32_t)md[1] << 16 | (uint32_t)md[2] << 8 | md[3];
+    return (int)(v % IDEMP_SHARDS);
+}
+
 int idemp_amqp_publish_event(idemp_amqp_t *a, const char *exchange, const idemp_event_msg_t *e,
                              uint64_t *tag, idem_error_t *err)
 {
@@ -247,7 +262,7 @@ int idemp_amqp_publish_event(idemp_amqp_t *a, const char *exchange, const idemp_
      * broker's state; RabbitMQ removes BCC before delivery */
     char shard_key[24];
     amqp_field_value_t shard_val;
-    int shard = idemp_uuid_shard(e->subscription_id);
+    int shard = idemp_amqp_shard(e->subscription_id);
     if (shard >= 0) {
         snprintf(shard_key, sizeof shard_key, "idem.shard.%d", shard);
         shard_val.kind = AMQP_FIELD_KIND_UTF8;

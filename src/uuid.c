@@ -1,11 +1,8 @@
 /* uuid.c - accepting UUIDs in every form PostgreSQL's uuid type accepts, and making random ones. */
 #include <ctype.h>
 #include <errno.h>
-#include <stdint.h>
 #include <string.h>
 #include <sys/random.h>
-
-#include <openssl/evp.h>
 
 #include <idem/uuid.h>
 
@@ -76,18 +73,4 @@ bool idemp_uuid_random(char out[37])
     }
     out[o] = '\0';
     return true;
-}
-
-int idemp_uuid_shard(const char *subscription_id)
-{
-    char canon[37];
-    if (subscription_id == NULL ||
-        !idemp_uuid_normalize(subscription_id, strlen(subscription_id), canon))
-        return -1;
-    unsigned char md[EVP_MAX_MD_SIZE];
-    unsigned int mdlen = 0;
-    if (EVP_Digest(canon, 36, md, &mdlen, EVP_md5(), NULL) != 1 || mdlen < 4)
-        return -1;
-    uint32_t v = (uint32_t)md[0] << 24 | (uint32_t)md[1] << 16 | (uint32_t)md[2] << 8 | md[3];
-    return (int)(v % IDEMP_SHARDS);
 }

@@ -11,10 +11,5 @@
 bool idemp_uuid_normalize(const char *s, size_t len, char out[37]);
 /* A random (version 4) UUID in out[37]; false when the system has no randomness to give. */
 bool idemp_uuid_random(char out[37]);
-/* The shard of a subscription (see CONTRACT "Messages on the wire"): the first 4 bytes of
- * md5(its lowercase canonical text), big-endian unsigned, modulo IDEMP_SHARDS. -1 if
- * subscription_id is not a UUID. */
-#define IDEMP_SHARDS 1024
-int idemp_uuid_shard(const char *subscription_id);
 
 #endif

@@ -130,14 +130,17 @@ int cmd_consume(int argc, char **argv, cli_global_t *g)
          "retries of a transient handler failure before retries_exhausted", 0, 1000},
         CLI_OPT_HEARTBEAT(&heartbeat_ms),
         {"--partitions", OPT_INT, &cfg.partitions, "P", "1",
-         "P > 1: a partitioned group QUEUE.p0..QUEUE.p<P-1> keeping per-subscription order "
-         "across processes",
+         "P > 1: a partitioned group QUEUE.p0..QUEUE.p<P-1> (each subscription's shard in one "
+         "partition, routed by QUEUE.part) keeping per-subscription order across processes; "
+         "every queue has a single active consumer, the other processes stand by",
          1, IDEM_PARTITIONS_MAX},
         {"--partition", OPT_STRING, &partition_spec, "I[,J...]", "all of them",
          "the partitions this process consumes", 0, 0},
         CLI_OPTS_TIMEOUTS(&cfg.lock_timeout_ms, &cfg.statement_timeout_ms),
         {"--no-declare", OPT_FLAG, &cfg.no_declare, NULL, NULL,
-         "declare nothing on RabbitMQ; check that the queues and exchanges exist", 0, 0},
+         "declare nothing on RabbitMQ; check passively that the queues and exchanges exist and "
+         "that no older topology or other P is declared",
+         0, 0},
         CLI_OPTS_METRICS(&cfg.metrics_port, &cfg.metrics_addr),
         {0},
     };

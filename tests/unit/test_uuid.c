@@ -11,6 +11,7 @@
 
 #include <idem/uuid.h>
 
+#include "rmq.h"
 #include "uuid.h"
 
 #define CANON "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"
@@ -175,11 +176,11 @@ static void test_shard(void **state)
     (void)state;
     /* md5("00000000-0000-0000-0000-000000000001") begins with bytes whose big-endian value mod
      * 1024 is 494; the same for the other form of the same id (it is normalised first) */
-    assert_int_equal(idemp_uuid_shard("00000000-0000-0000-0000-000000000001"), 494);
-    assert_int_equal(idemp_uuid_shard("6ba7b810-9dad-11d1-80b4-00c04fd430c8"), 720);
-    assert_int_equal(idemp_uuid_shard("{6BA7B8109DAD11D180B400C04FD430C8}"), 720);
-    assert_int_equal(idemp_uuid_shard("not a uuid"), -1);
-    assert_int_equal(idemp_uuid_shard(NULL), -1);
+    assert_int_equal(idemp_amqp_shard("00000000-0000-0000-0000-000000000001"), 494);
+    assert_int_equal(idemp_amqp_shard("6ba7b810-9dad-11d1-80b4-00c04fd430c8"), 720);
+    assert_int_equal(idemp_amqp_shard("{6BA7B8109DAD11D180B400C04FD430C8}"), 720);
+    assert_int_equal(idemp_amqp_shard("not a uuid"), -1);
+    assert_int_equal(idemp_amqp_shard(NULL), -1);
 }
 
 int main(void)
