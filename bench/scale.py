@@ -10,8 +10,8 @@ scale-consumer
     event of a subscription) over --subscriptions subscriptions, emitted with idem_emit, are
     relayed by one `idem relay` into every group at once: the plain queue bench.group1 (P = 1,
     `idem consume --queue bench.group1`, the setup of the consumer phase) and the partitioned
-    groups bench.group<P> (`--partitions P`: the consistent-hash exchange bench.group<P>.hash on
-    the subscription_id header, quorum queues bench.group<P>.p<i> with single active consumer),
+    groups bench.group<P> (`--partitions P`: the direct exchange bench.group<P>.part routing the
+    relay's shard keys, quorum queues bench.group<P>.p<i> with single active consumer),
     each declared by `idem consume` itself beforehand. Then each group drains the same backlog
     in turn (the order rotates per round), from the same database state (ledger and billing
     tables emptied, CHECKPOINT): P processes, process i given `--partition i`. Rate = commit
