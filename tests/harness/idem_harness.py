@@ -417,15 +417,21 @@ class Broker:
         info = self.queue_info(queue)
         return None if info is None else info[0]
 
-    def get_all(self, queue, idle=0.3):
-        """Takes every ready message off queue (acking them). A consumer, not basic.get: a
-        queue with single active consumer refuses basic.get."""
+    def get_all(self, queue, idle=0.3, timeout=60):
+        """Takes every ready message off queue (acking them): at least as many as were ready when
+        called (up to timeout), then whatever comes within idle seconds. A consumer, not
+        basic.get: a queue with single active consumer refuses basic.get."""
+        info = self.queue_info(queue)
+        want = info[0] if info else 0
         out = []
+        deadline = time.monotonic() + timeout
         with self.channel() as ch:
-            ch.basic_qos(prefetch_count=1000)
+            ch.basic_qos(prefetch_count=100)
             for method, props, body in ch.consume(queue, auto_ack=True, inactivity_timeout=idle):
                 if method is None:
-                    break
+                    if len(out) >= want or time.monotonic() >= deadline:
+                        break
+                    continue
                 out.append(Delivery(method, props, body))
             ch.cancel()
         return out
