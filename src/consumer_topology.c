@@ -170,11 +170,15 @@ static int check_no_ring(idem_consumer_t *c, bool may_delete, idem_error_t *err)
 /* Partition i's binding keys on QUEUE.part: idem.shard.N for every shard N with N mod P = i. */
 static int bind_shards(idem_consumer_t *c, const char *queue, int i, idem_error_t *err)
 {
+    /* one round trip, not one per key (up to 1,024 of them at every connect): every bind but the
+     * last goes without waiting, and the last one's answer tells whether the channel survived */
     int rc = IDEM_OK;
     for (int n = i; rc == IDEM_OK && n < IDEMP_SHARDS; n += c->cfg.partitions) {
         char key[24];
         snprintf(key, sizeof key, "idem.shard.%d", n);
-        rc = idemp_amqp_bind(c->in, queue, c->part_exchange, key, err);
+        bool last = n + c->cfg.partitions >= IDEMP_SHARDS;
+        rc = last ? idemp_amqp_bind(c->in, queue, c->part_exchange, key, err)
+                  : idemp_amqp_bind_nowait(c->in, queue, c->part_exchange, key, err);
     }
     return rc;
 }

@@ -103,6 +103,10 @@ int idemp_amqp_delete_unused_exchange(idemp_amqp_t *a, const char *name, bool *i
                                       idem_error_t *err);
 int idemp_amqp_bind(idemp_amqp_t *a, const char *queue, const char *exchange, const char *key,
                     idem_error_t *err);
+/* queue.bind without waiting for the answer: a refusal closes the channel, which the next
+ * synchronous call reports (end a run of these with idemp_amqp_bind). */
+int idemp_amqp_bind_nowait(idemp_amqp_t *a, const char *queue, const char *exchange,
+                           const char *key, idem_error_t *err);
 int idemp_amqp_bind_exchange(idemp_amqp_t *a, const char *dest, const char *source, const char *key,
                              idem_error_t *err);
 int idemp_amqp_qos(idemp_amqp_t *a, int prefetch, idem_error_t *err);

@@ -135,6 +135,27 @@ int idemp_amqp_bind(idemp_amqp_t *a, const char *queue, const char *exchange, co
     return idemp_amqp_check_rpc(a, amqp_get_rpc_reply(a->conn), "queue.bind", err);
 }
 
+int idemp_amqp_bind_nowait(idemp_amqp_t *a, const char *queue, const char *exchange,
+                           const char *key, idem_error_t *err)
+{
+    if (!a->connected)
+        return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s", a->where);
+    amqp_queue_bind_t req = {.ticket = 0,
+                             .queue = amqp_cstring_bytes(queue),
+                             .exchange = amqp_cstring_bytes(exchange),
+                             .routing_key = amqp_cstring_bytes(key),
+                             .nowait = 1,
+                             .arguments = amqp_empty_table};
+    int st = amqp_send_method(a->conn, IDEMP_CHANNEL, AMQP_QUEUE_BIND_METHOD, &req);
+    if (st != AMQP_STATUS_OK) {
+        idem_error_set(err, IDEM_ERR_AMQP_LOST, "queue.bind to RabbitMQ at %s: %s", a->where,
+                       amqp_error_string2(st));
+        idemp_amqp_disconnect(a, "queue.bind could not be sent");
+        return IDEM_ERR_AMQP_LOST;
+    }
+    return IDEM_OK;
+}
+
 int idemp_amqp_bind_exchange(idemp_amqp_t *a, const char *dest, const char *source, const char *key,
                              idem_error_t *err)
 {
