@@ -14,12 +14,14 @@ PKGS := libpq librabbitmq jansson openssl
 PKG_CFLAGS = $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 PKG_LIBS = $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 
+STD_CFLAGS := -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE
 WARN := -Wall -Wextra -Wstrict-prototypes -Wwrite-strings -Wshadow -Wno-unused-parameter -Werror
 CFLAGS ?= -O2 -g
-ALL_CFLAGS = -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE $(WARN) $(CFLAGS) -fPIC \
+ALL_CFLAGS = $(STD_CFLAGS) $(WARN) $(CFLAGS) -fPIC \
 	-Iinclude -Isrc -Ihandlers $(PKG_CFLAGS) -MMD -MP
 ifneq ($(SAN),)
-ALL_CFLAGS += -fsanitize=$(SAN) -fno-omit-frame-pointer
+SANFLAGS = -fsanitize=$(SAN) -fno-omit-frame-pointer
+ALL_CFLAGS += $(SANFLAGS)
 LDSAN = -fsanitize=$(SAN)
 endif
 LDLIBS_ALL = $(PKG_LIBS) -lm -lpthread
@@ -109,9 +111,11 @@ HANDLER_OBJS := $(HANDLER_SRCS:%.c=$(BUILD)/%.o)
 CLI_OBJS := $(CLI_SRCS:%.c=$(BUILD)/%.o)
 UNIT_BINS := $(UNIT_TESTS:%=$(BUILD)/%)
 
-.PHONY: all test check unit arch integration sanitize bench demo chaos chaos-all install valgrind format format-check clean deps
+.PHONY: all test test-slow check unit arch integration sanitize bench demo chaos chaos-all install \
+	valgrind format format-check clean deps FORCE
 
-all: $(BUILD)/idem $(BUILD)/libidem.a $(BUILD)/libidem.so $(BUILD)/libidem.so.$(SOMAJOR)
+all: $(BUILD)/idem $(BUILD)/libidem.a $(BUILD)/libidem.so $(BUILD)/libidem.so.$(SOMAJOR) \
+	$(BUILD)/idem-uninstalled.pc
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -128,6 +132,22 @@ $(BUILD)/libidem.so.$(VERSION): $(LIB_OBJS) src/libidem.map
 
 $(BUILD)/libidem.so.$(SOMAJOR) $(BUILD)/libidem.so: $(BUILD)/libidem.so.$(VERSION)
 	ln -sf libidem.so.$(VERSION) $@
+
+# The uninstalled idem.pc: with PKG_CONFIG_PATH=$(BUILD), `pkg-config --cflags --libs idem`
+# compiles and links a program against this build (the checkout's headers, $(BUILD)/libidem.so
+# found at run time through an rpath, the sanitizers of SAN=), and its variables cc and cflags are
+# this build's compiler and language and warning flags. The tests build their C programs with it
+# and nothing else. Rewritten only when its text changes.
+$(BUILD)/idem-uninstalled.pc: idem.pc.in FORCE
+	@mkdir -p $(dir $@)
+	@{ printf 'cc=%s\ncflags=%s\n' '$(CC)' '$(STD_CFLAGS) $(WARN)'; \
+	  sed -e 's|^prefix=.*|prefix=$(CURDIR)|' -e 's|^libdir=.*|libdir=$(abspath $(BUILD))|' \
+	    -e 's|^includedir=.*|includedir=$${prefix}/include|' -e 's|@VERSION@|$(VERSION)|g' \
+	    -e 's|^Cflags: .*|&$(if $(SANFLAGS), $(SANFLAGS))|' \
+	    -e 's|^Libs: -L$${libdir}|& -Wl,-rpath,$${libdir}|' \
+	    -e 's|^Libs: .*|&$(if $(LDSAN), $(LDSAN))|' \
+	    idem.pc.in; } >$@.tmp
+	@if cmp -s $@.tmp $@; then rm -f $@.tmp; else mv $@.tmp $@; fi
 
 $(BUILD)/idem: $(CLI_OBJS) $(HANDLER_OBJS) $(BUILD)/libidem.a
 	$(CC) -o $@ $(CLI_OBJS) $(HANDLER_OBJS) $(BUILD)/libidem.a $(LDSAN) $(LDLIBS_ALL)
@@ -169,7 +189,6 @@ sanitize: deps
 	$(MAKE) BUILD=build-san SAN=address,undefined CFLAGS="-O1 -g" all unit
 	rm -rf build-san/reports && mkdir -p build-san/reports
 	IDEM_BIN=$(CURDIR)/build-san/idem IDEM_SQL_DIR=$(CURDIR)/sql \
-	IDEM_PROG_CFLAGS="-fsanitize=address,undefined" \
 	ASAN_OPTIONS=log_path=$(CURDIR)/build-san/reports/asan:verify_asan_link_order=0 \
 	UBSAN_OPTIONS=log_path=$(CURDIR)/build-san/reports/ubsan:print_stacktrace=1 \
 	scripts/integration.sh
@@ -242,7 +261,7 @@ install-kit:
 
 FORMAT_FILES = $(wildcard src/*.c src/*.h src/cli/*.c src/cli/*.h include/idem/*.h \
 	handlers/*.c handlers/*.h tests/unit/*.c bench/*.c bench/*.h)
-FORMAT_FILES += $(wildcard examples/*/*.c)
+FORMAT_FILES += $(wildcard examples/*/*.c tests/integration/progs/*.c)
 
 format:
 	clang-format -i $(FORMAT_FILES)
@@ -265,7 +284,7 @@ FUZZ_SECONDS ?= 60
 FUZZ_DIR = $(BUILD)/fuzz
 FUZZ_TARGETS := fuzz_envelope fuzz_billing_payload fuzz_amqp_url_mask fuzz_props_envelope
 FUZZ_SAN = -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
-FUZZ_CFLAGS = -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE -g -O1 $(FUZZ_SAN) \
+FUZZ_CFLAGS = $(STD_CFLAGS) -g -O1 $(FUZZ_SAN) \
 	-Iinclude -Isrc -Ihandlers $(PKG_CFLAGS)
 FUZZ_LIB_OBJS := $(LIB_SRCS:%.c=$(FUZZ_DIR)/%.o)
 FUZZ_HANDLER_OBJS := $(HANDLER_SRCS:%.c=$(FUZZ_DIR)/%.o)

@@ -5,6 +5,7 @@ import contextlib
 import os
 import re
 import select
+import shlex
 import socket
 import struct
 import subprocess
@@ -12,24 +13,35 @@ import threading
 import time
 import urllib.parse
 
-from conftest import IDEM, REPO
+from conftest import IDEM
 
 PROGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "progs")
 BUILD = os.path.dirname(os.path.abspath(IDEM))  # build/ (or the build dir of IDEM_BIN)
 
 
+def build_pkg_config(*args):
+    """`pkg-config ARGS idem` against the uninstalled idem.pc of the build under test
+    (BUILD/idem-uninstalled.pc, which `make` writes); returns its output, split as a shell would."""
+    pc = os.path.join(BUILD, "idem-uninstalled.pc")
+    assert os.path.exists(pc), f"{pc} is missing: run make (BUILD={BUILD})"
+    path = os.pathsep.join(p for p in (BUILD, os.environ.get("PKG_CONFIG_PATH")) if p)
+    r = subprocess.run(["pkg-config", *args, "idem"], capture_output=True, text=True,
+                       env=dict(os.environ, PKG_CONFIG_PATH=path), timeout=30)
+    assert r.returncode == 0, f"pkg-config {' '.join(args)} idem failed: {r.stderr}"
+    return shlex.split(r.stdout)
+
+
 def build_prog(name, out_dir):
-    """Compiles tests/integration/progs/NAME.c against the built libidem.so; returns its path."""
+    """Compiles tests/integration/progs/NAME.c against the built libidem.so; returns its path.
+    The compiler, its flags and the libraries are the build's own, from its uninstalled idem.pc:
+    under `make sanitize` (build-san/) the program is instrumented like the library."""
     src = os.path.join(PROGS, name + ".c")
     out = os.path.join(str(out_dir), name)
-    flags = subprocess.run(["pkg-config", "--cflags", "--libs", "libpq", "jansson"],
-                           capture_output=True, text=True, check=True).stdout.split()
-    # under `make sanitize` the library is instrumented: so is the program (IDEM_PROG_CFLAGS)
-    extra = os.environ.get("IDEM_PROG_CFLAGS", "").split()
-    cmd = ["cc", "-std=c11", "-D_POSIX_C_SOURCE=200809L", "-D_DEFAULT_SOURCE", "-Wall", *extra,
-           "-I" + os.path.join(REPO, "include"), src, os.path.join(BUILD, "libidem.so"), *flags,
-           "-Wl,-rpath," + BUILD, "-o", out]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    libdir = build_pkg_config("--variable=libdir")
+    assert libdir == [BUILD], f"pkg-config found the idem.pc of {libdir}, not of {BUILD}"
+    cmd = [*build_pkg_config("--variable=cc"), *build_pkg_config("--variable=cflags"), src,
+           *build_pkg_config("--cflags", "--libs"), "-o", out]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stderr}"
     return out
 

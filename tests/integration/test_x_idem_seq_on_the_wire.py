@@ -11,13 +11,12 @@ The headers a SQL handler receives: the contract's wire list is event_id, subscr
 event_type (strings), x-idem-seq (64-bit integer) and the emit's own string headers."""
 
 import json
-import os
 import signal
-import subprocess
 
 import pytest
 
-from conftest import REPO, Daemon, finish_daemons, wait_until
+from conftest import Daemon, finish_daemons, wait_until
+from consumer_helpers import build_prog
 from relay_helpers import declare_consumer_queue, emit_many, outbox, read_queue, relay_once
 
 SEQ_START = 5_000_000_000  # above 2^32
@@ -69,20 +68,8 @@ def test_published_messages_carry_x_idem_seq(db, servers, broker, queue):
 
 @pytest.fixture(scope="module")
 def seq_consumer_bin(tmp_path_factory):
-    """tests/integration/seq_consumer.c built against the checkout's headers and libidem.a."""
-    out = str(tmp_path_factory.mktemp("seqc") / "seq_consumer")
-    libs = subprocess.run(["pkg-config", "--libs", "libpq", "librabbitmq", "jansson",
-                           "libmicrohttpd", "openssl"], capture_output=True, text=True,
-                          check=True).stdout.split()
-    r = subprocess.run(["cc", "-std=c11", "-D_POSIX_C_SOURCE=200809L", "-Wall", "-Werror",
-                        "-I" + os.path.join(REPO, "include"),
-                        *subprocess.run(["pkg-config", "--cflags", "libpq", "jansson"],
-                                        capture_output=True, text=True).stdout.split(),
-                        os.path.join(REPO, "tests", "integration", "seq_consumer.c"),
-                        os.path.join(REPO, "build", "libidem.a"), *libs, "-lm", "-lpthread",
-                        "-o", out], capture_output=True, text=True)
-    assert r.returncode == 0, f"building seq_consumer.c failed:\n{r.stderr}"
-    return out
+    """tests/integration/progs/seq_consumer.c built against the build's libidem.so."""
+    return build_prog("seq_consumer", tmp_path_factory.mktemp("progs"))
 
 
 @pytest.fixture
