@@ -3,12 +3,15 @@
 # Quiet when everything is already installed. Needs root (CI and the dev machines run as root).
 set -euo pipefail
 
+# Everything `make test`, `make test-slow`, .ci/run and `make demo` call: a minimal Debian 12 lacks
+# the last line's packages too (ps; systemd-analyze, groff and man for the deployment kit's tests).
 pkgs=(
   build-essential make pkg-config clang-format
   postgresql-15 postgresql rabbitmq-server
   librabbitmq-dev libjansson-dev libcmocka-dev libpq-dev libssl-dev
-  amqp-tools python3-pika python3-psycopg2 python3-pytest openssl valgrind
+  amqp-tools python3 python3-pika python3-psycopg2 python3-pytest openssl valgrind
   faketime pgbouncer gnuplot-nox
+  procps systemd groff-base man-db
 )
 # make fuzz: libFuzzer comes with Debian's clang (not needed to build or test)
 if [ "${1:-}" = "--fuzz" ]; then

@@ -42,8 +42,7 @@ def unit_settings(path):
 
 def test_systemd_analyze_verify(kit):
     sa = shutil.which("systemd-analyze")
-    if sa is None:
-        pytest.skip("systemd-analyze is not installed (Debian package systemd)")
+    assert sa is not None, "systemd-analyze is missing (Debian package systemd): scripts/deps.sh"
     unitdir = kit.path("share", "idem", "systemd")
     # the template is verified through an instance; Documentation=man:idem(1) is checked
     # against the installed man page
@@ -159,18 +158,17 @@ def test_man_page_renders_without_warnings(kit):
         assert text == g.read()
     assert re.search(rf'^\.TH IDEM 1 .*"idem {re.escape(idem_version())}"', text, re.M)
     groff = shutil.which("groff")
-    if groff is None:
-        pytest.skip("groff is not installed (Debian package groff-base)")
+    assert groff is not None, "groff is missing (Debian package groff-base): scripts/deps.sh"
     r = subprocess.run([groff, "-man", "-Tutf8", "-ww", "-z", page], capture_output=True,
                        text=True, timeout=30)
     assert (r.returncode, r.stderr) == (0, ""), f"groff warnings:\n{r.stderr}"
     man = shutil.which("man")
-    if man is not None:
-        r = subprocess.run([man, "--warnings", "-l", page], capture_output=True, text=True,
-                           timeout=30, env=dict(os.environ, MANPAGER="cat", PAGER="cat",
-                                                MANWIDTH="80"))
-        assert r.returncode == 0 and r.stderr == "", f"man -l:\n{r.stderr}"
-        assert "idem migrate" in r.stdout and "EXIT STATUS" in r.stdout
+    assert man is not None, "man is missing (Debian package man-db): scripts/deps.sh"
+    r = subprocess.run([man, "--warnings", "-l", page], capture_output=True, text=True,
+                       timeout=30, env=dict(os.environ, MANPAGER="cat", PAGER="cat",
+                                            MANWIDTH="80"))
+    assert r.returncode == 0 and r.stderr == "", f"man -l:\n{r.stderr}"
+    assert "idem migrate" in r.stdout and "EXIT STATUS" in r.stdout
 
 
 def test_man_page_documents_every_command_and_flag(kit):
