@@ -169,10 +169,17 @@ deps:
 	scripts/deps.sh
 
 # The test command: installs what is missing, builds, runs the unit tests, then the
-# integration tests against private PostgreSQL and RabbitMQ started for the run.
+# integration tests against private PostgreSQL and RabbitMQ started for the run, less the slow
+# ones (pytest markers cluster and slow, tests/integration/pytest.ini). `make test-slow` runs
+# exactly those; .ci/run runs both, `make integration` all of them at once.
+SLOW_TESTS = cluster or slow
 test: deps
 	$(MAKE) all unit arch
-	scripts/integration.sh
+	scripts/integration.sh -m "not ($(SLOW_TESTS))"
+
+test-slow: deps
+	$(MAKE) all
+	scripts/integration.sh -m "$(SLOW_TESTS)"
 
 # The module graph: no cycle, no upward include, the client libraries only in their adapters.
 arch:

@@ -11,6 +11,8 @@ import collections
 import signal
 import time
 
+import pytest
+
 from conftest import new_id, payload, wait_until
 
 
@@ -109,6 +111,7 @@ def test_crash_between_commit_and_ack_with_batches_in_flight(db, queue, consumer
     assert got == dict(want)
 
 
+@pytest.mark.slow
 def test_connections_terminated_with_batches_in_flight(db, queue, consumers, broker):
     """PostgreSQL ends every connection of the consumer, again and again, while it drains a full
     queue with batches in flight on both: outcomes unknown, nothing acked before a known COMMIT,

@@ -83,6 +83,8 @@ def params(cases):
         if c.get("consumer") == "memory_limit" and sanitizer_build():
             # AddressSanitizer reserves terabytes of address space for its shadow memory
             marks.append(pytest.mark.skip(reason="an address-space limit under AddressSanitizer"))
+        if c.get("slow"):
+            marks.append(pytest.mark.slow)
         out.append(pytest.param(c, id=c["name"], marks=marks))
     return out
 
@@ -578,6 +580,7 @@ def check_copy(want, d, m):
 # ----------------------------------------------------------------------------- outbox poison rows
 
 
+@pytest.mark.slow
 def test_hostile_outbox_rows_park_alone(db, servers, queue, broker, tmp_path, request):
     """Every poison row of tests/hostile/outbox-*.json among 40 good rows of 8 subscriptions:
     each poison row parks `failed` at max attempts with a last_error saying why; every good row

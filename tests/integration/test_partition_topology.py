@@ -79,6 +79,7 @@ def declare_group(group_consumers, db, q, p):
     assert c.stop() == 0, c.log()
 
 
+@pytest.mark.slow
 def test_partitioned_topology_is_the_contracts(db, servers, group_queue, group_consumers):
     q = group_queue("topo")
     c = group_consumers("billing", q, db, ["--partitions", str(P)])
@@ -170,6 +171,7 @@ def test_one_subscription_always_lands_in_the_same_partition(db, servers, broker
         broker.delete_queue(tap)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("declared, asked", [(4, 2), (2, 4)])
 def test_a_different_partition_count_exits_1_with_one_line(db, servers, group_queue,
                                                            group_consumers, declared, asked):

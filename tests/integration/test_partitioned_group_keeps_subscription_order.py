@@ -21,6 +21,8 @@ the dead one held) is printed."""
 import statistics
 import time
 
+import pytest
+
 from conftest import wait_until
 from group_helpers import (Emitter, active_consumers, audit, group_consumers, group_queue,
                            install_effect_log, partition_of, partitions, plan_billing,
@@ -37,6 +39,7 @@ RATE = 200.0  # events/s: 1,600 events in about 8 s
 KILL_EVERY = 1.0
 
 
+@pytest.mark.slow
 def test_partitioned_group_keeps_subscription_order_through_sigkills(
         db, servers, broker, group_queue, group_consumers, relay_daemons):
     q = group_queue("order")

@@ -269,6 +269,7 @@ def test_consumer_no_declare(db, servers, broker, queues, consumers, dead_letter
 # ----------------------------------------------------------------------------- operator
 
 
+@pytest.mark.slow
 def test_operator_lists_and_requeues_dead_letters(db, servers, broker, queues, consumers,
                                                   rmq_user):
     q = queues.new()

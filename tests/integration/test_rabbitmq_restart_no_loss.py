@@ -2,9 +2,12 @@
 acked) come back after the restart and are applied once; events published after the restart are
 applied too; the consumer reconnects by itself."""
 
+import pytest
+
 from conftest import new_id, payload, wait_until
 
 
+@pytest.mark.slow
 def test_rabbitmq_restart_under_running_consumer(servers, db, queue, consumers, broker,
                                                  dead_letters):
     # prefetch 2: of the 4 events published while it is blocked, 2 are in hand (unacked) and 2

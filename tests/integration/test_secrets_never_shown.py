@@ -65,9 +65,10 @@ def one_line(r, cmd):
 # ----------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def rmq_secret_user(servers):
-    """(user, host:port) of a RabbitMQ user whose password is SECRET, full permissions on "/"."""
+    """(user, host:port) of a RabbitMQ user whose password is SECRET, full permissions on "/";
+    one for the module (no test changes it: each rabbitmqctl call costs seconds)."""
     name = f"it_secret_{uuid.uuid4().hex[:8]}"
     servers.rmqctl("add_user", name, SECRET)
     servers.rmqctl("set_permissions", "-p", "/", name, ".*", ".*", ".*")

@@ -14,6 +14,8 @@ everything is then sent once.
 import threading
 import time
 
+import pytest
+
 from conftest import free_port, wait_until
 from relay_helpers import relay_daemons, status_counts
 
@@ -37,6 +39,7 @@ def backlog(db, queues, broker, n=30_000):
     return q, n
 
 
+@pytest.mark.slow
 def test_table_lock_granted_while_relays_busy(db, servers, queues, broker, relay_daemons):
     q, n = backlog(db, queues, broker)
     relays = [relay_daemons(["--lock-timeout", "30s", "--batch", "50"], name=f"relay{i}")
@@ -65,6 +68,7 @@ def test_table_lock_granted_while_relays_busy(db, servers, queues, broker, relay
     print(f"the table lock waited {', '.join(f'{w * 1000:.0f} ms' for w in waits)}")
 
 
+@pytest.mark.slow
 def test_table_lock_granted_while_the_backlog_gauge_waits(db, servers, queues, broker,
                                                           relay_daemons):
     """The relay reads its backlog gauge (with --metrics-port) on its control connection once a

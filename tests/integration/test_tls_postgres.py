@@ -71,6 +71,7 @@ def kv(t, dbname, host="127.0.0.1", user="postgres", **params):
 # ----------------------------------------------------------------------------- works
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["verify-full", "require"])
 def test_tls_modes_connect_encrypted(tls, relays, mode):
     t, dbname = tls
