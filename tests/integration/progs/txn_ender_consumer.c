@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <idem/idem.h>
 
@@ -67,8 +68,8 @@ static idem_outcome on_event(idem_event_t *ev, void *userdata)
     } else if (strcmp(t, "it.exec_rollback") == 0) {
         (void)idem_event_exec(ev, "ROLLBACK", 0, NULL, NULL);
     } else if (strcmp(t, "it.exec_async") == 0) {
-        (void)idem_event_exec(ev, "SELECT set_config('synchronous_commit', 'off', false)", 0,
-                              NULL, NULL);
+        (void)idem_event_exec(ev, "SELECT set_config('synchronous_commit', 'off', false)", 0, NULL,
+                              NULL);
     }
     return IDEM_DONE;
 }
