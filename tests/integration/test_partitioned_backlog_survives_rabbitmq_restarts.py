@@ -15,6 +15,8 @@ partitions, and one be applied before an earlier one."""
 
 import time
 
+import pytest
+
 from conftest import wait_until
 from group_helpers import (Emitter, audit, group_consumers, group_queue, install_effect_log,
                            partition_of, partitions, plan_billing)
@@ -28,6 +30,7 @@ PER_SUB = 10
 RESTARTS = 3
 
 
+@pytest.mark.slow  # three RabbitMQ restarts: 20-77 s each on a loaded machine
 def test_partitioned_backlog_keeps_order_across_rabbitmq_restarts(
         db, servers, broker, group_queue, group_consumers, relay_daemons):
     q = group_queue("restart")
