@@ -103,6 +103,7 @@ UNIT_TESTS := \
 	tests/unit/test_relay_gap \
 	tests/unit/test_log \
 	tests/unit/test_host \
+	tests/unit/test_event \
 	tests/unit/test_envelope_suite \
 	tests/unit/test_fuzz_regressions
 

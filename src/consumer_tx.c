@@ -23,6 +23,10 @@
 
 typedef enum { R_OK, R_FALLBACK, R_PAUSE } run_result;
 
+/* The mark of the claim's transaction (set by the claim's settings, consumer_claim.c). */
+#define SQL_CLAIM_MARK                                                                             \
+    "SELECT pg_catalog.current_setting('idem.claim', true) IS NOT DISTINCT FROM 'on'"
+
 static const char *const LOGC = "consumer";
 
 void idemp_consumer_log(idem_log_level lvl, const idem_consumer_t *c, const delivery_t *d,
@@ -112,6 +116,20 @@ typedef struct attempt {
     bool *claimed, *stale;
 } attempt_t;
 
+/* After a handler that had the bare connection: is its transaction still the claim's (the mark
+ * the claim set, sql/008_claim_guard.sql)? A handler that ran ROLLBACK and BEGIN would otherwise
+ * have its batch-mates' statements run in a transaction of its own, which no guard protects. An
+ * aborted transaction (the check cannot run) counts as intact: its COMMIT is refused anyway. */
+static bool claim_intact(idemp_pg_t *pg)
+{
+    idemp_rows_t *r = NULL;
+    if (idemp_pg_exec(pg, SQL_CLAIM_MARK, 0, NULL, &r, NULL) != IDEM_OK)
+        return true;
+    bool ok = idemp_rows_count(r) == 1 && idemp_rows_get(r, 0, 0)[0] == 't';
+    idemp_rows_free(r);
+    return ok;
+}
+
 /* Runs the handlers of the claimed deliveries; stops at the first failure. */
 static int handle(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size_t n, attempt_t *a)
 {
@@ -129,7 +147,7 @@ static int handle(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size_t n,
         if (ev.pg_lost || !idemp_pg_connected(pg))
             return idem_error_set(&a->err, IDEM_ERR_PG_LOST, "connection lost in a handler: %s",
                                   ev.detail);
-        if (idemp_pg_tx_ended(pg)) {
+        if (idemp_pg_tx_ended(pg) || (ev.took_conn && !claim_intact(pg))) {
             /* it ran COMMIT (refused by sql/008's guard) or ROLLBACK itself: its claim and its
              * batch-mates' work are gone; rejected, whatever it returned */
             a->failed = d;

@@ -1,4 +1,5 @@
 /* event.c - what a handler sees: accessors, failure reasons, statements in the transaction. */
+#include <ctype.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -68,6 +69,7 @@ json_t *idem_event_payload(const idem_event_t *ev)
 PGconn *idem_event_conn(idem_event_t *ev)
 {
     /* a caller with the bare connection runs its own statements: nothing may stay queued */
+    ev->took_conn = true;
     idemp_pg_pipeline_pause(ev->pg);
     return idemp_pg_conn(ev->pg);
 }
@@ -86,10 +88,50 @@ idem_outcome idem_event_fail(idem_event_t *ev, idem_outcome outcome, const char 
     return outcome;
 }
 
+/* The next word of sql at *p (letters, upper-cased into w), skipping blanks; "" at the end. */
+static void next_word(const char **p, char *w, size_t sz)
+{
+    const char *s = *p;
+    while (*s == ' ' || *s == '\t' || *s == '\n' || *s == '\r' || *s == '(')
+        s++;
+    size_t n = 0;
+    for (; isalpha((unsigned char)*s); s++)
+        if (n + 1 < sz)
+            w[n++] = (char)toupper((unsigned char)*s);
+    w[n] = '\0';
+    *p = s;
+}
+
+bool idemp_sql_ends_transaction(const char *sql)
+{
+    char w1[16], w2[16];
+    const char *p = sql != NULL ? sql : "";
+    next_word(&p, w1, sizeof w1);
+    next_word(&p, w2, sizeof w2);
+    if (strcmp(w1, "ROLLBACK") == 0)
+        return strcmp(w2, "TO") != 0;
+    if (strcmp(w1, "START") == 0 || strcmp(w1, "PREPARE") == 0)
+        return strcmp(w2, "TRANSACTION") == 0;
+    static const char *const words[] = {"COMMIT", "END", "ABORT", "BEGIN"};
+    for (size_t i = 0; i < sizeof words / sizeof words[0]; i++)
+        if (strcmp(w1, words[i]) == 0)
+            return true;
+    return false;
+}
+
 idem_outcome idem_event_exec(idem_event_t *ev, const char *sql, int nparams,
                              const char *const *params, PGresult **out)
 {
     idem_error_t err = {0};
+    if (out != NULL)
+        *out = NULL;
+    if (idemp_sql_ends_transaction(sql)) {
+        snprintf(ev->sqlstate, sizeof ev->sqlstate, "2D000");
+        return idem_event_fail(ev, IDEM_REJECT,
+                               "SQLSTATE 2D000: refused %.40s: a handler that ended the claim's "
+                               "transaction, or began another, would commit effects without claims",
+                               sql);
+    }
     int rc = idemp_pg_exec(ev->pg, sql, nparams, params, (idemp_rows_t **)out, &err);
     if (rc == IDEM_OK) {
         /* a statement that runs means the transaction recovered (ROLLBACK TO SAVEPOINT) from

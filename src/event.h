@@ -22,6 +22,7 @@ struct idem_event {
     idemp_pg_t *pg;
     bool failed;      /* idem_event_fail or a failed exec recorded a reason */
     bool pg_lost;     /* a statement lost the connection */
+    bool took_conn;   /* the handler took the bare connection (idem_event_conn) */
     char sqlstate[6]; /* of the last statement that failed through idem_event_exec, or "" */
     char detail[512];
     char header_buf[1024]; /* idem_event_header's NUL-terminated copy */
@@ -31,5 +32,10 @@ struct idem_event {
 void idemp_event_init(struct idem_event *ev, const char *id, const char *type, const char *consumer,
                       const char *subscription, json_t *payload, const idemp_msg_t *msg,
                       idemp_pg_t *pg);
+
+/* Does sql end or begin a transaction (COMMIT, END, ROLLBACK but not ROLLBACK TO, ABORT,
+ * BEGIN, START TRANSACTION, PREPARE TRANSACTION, COMMIT/ROLLBACK PREPARED), judged by its first
+ * words? idem_event_exec refuses such a statement: the claim's transaction is the runtime's. */
+bool idemp_sql_ends_transaction(const char *sql);
 
 #endif

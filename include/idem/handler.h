@@ -6,8 +6,9 @@
  * COMMIT, ROLLBACK (other than ROLLBACK TO SAVEPOINT) or END itself, or changes
  * synchronous_commit, search_path or session_replication_role, is dead-lettered as
  * handler_rejected whatever it returns, and nothing of its transaction commits (a COMMIT of its
- * own is refused by the server). Statements it runs on the bare connection after its own
- * ROLLBACK run outside any transaction: the runtime cannot undo them.
+ * own is refused by the server; idem_event_exec refuses COMMIT, ROLLBACK, BEGIN and the like
+ * with SQLSTATE 2D000). Statements it runs on the bare connection after its own ROLLBACK run
+ * outside any transaction: the runtime cannot undo them.
  * Threads: a handler runs on the consumer's thread; the event and everything it returns are
  * valid only during the call. */
 #ifndef IDEM_HANDLER_H
