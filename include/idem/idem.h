@@ -13,6 +13,6 @@
 #include <idem/relay.h>
 #include <idem/ops.h>
 
-#define IDEM_VERSION "0.1.0"
+#define IDEM_VERSION "0.3.0"
 
 #endif
