@@ -420,20 +420,24 @@ class Broker:
     def get_all(self, queue, idle=0.3, timeout=60):
         """Takes every ready message off queue (acking them): at least as many as were ready when
         called (up to timeout), then whatever comes within idle seconds. A consumer, not
-        basic.get: a queue with single active consumer refuses basic.get."""
+        basic.get: a queue with single active consumer refuses basic.get. Each message is acked
+        as it is taken, so what the broker had sent but was not taken yet when it stops goes back
+        to the queue (with auto_ack it would be lost); a small prefetch bounds the memory of
+        large bodies."""
         info = self.queue_info(queue)
         want = info[0] if info else 0
         out = []
         deadline = time.monotonic() + timeout
         with self.channel() as ch:
-            ch.basic_qos(prefetch_count=100)
-            for method, props, body in ch.consume(queue, auto_ack=True, inactivity_timeout=idle):
+            ch.basic_qos(prefetch_count=8)
+            for method, props, body in ch.consume(queue, auto_ack=False, inactivity_timeout=idle):
                 if method is None:
                     if len(out) >= want or time.monotonic() >= deadline:
                         break
                     continue
                 out.append(Delivery(method, props, body))
-            ch.cancel()
+                ch.basic_ack(method.delivery_tag)
+            ch.cancel()  # requeues what was sent and not taken
         return out
 
     def delete_queue(self, queue):
