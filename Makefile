@@ -176,11 +176,11 @@ deps:
 SLOW_TESTS = cluster or slow
 test: deps
 	$(MAKE) all unit arch
-	scripts/integration.sh -m "not ($(SLOW_TESTS))"
+	scripts/integration.sh -m "not ($(SLOW_TESTS))" --durations=15
 
 test-slow: deps
 	$(MAKE) all
-	scripts/integration.sh -m "$(SLOW_TESTS)"
+	scripts/integration.sh -m "$(SLOW_TESTS)" --durations=15
 
 # The module graph: no cycle, no upward include, the client libraries only in their adapters.
 arch:

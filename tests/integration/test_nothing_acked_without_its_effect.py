@@ -34,6 +34,7 @@ def queued(consumers, queue, db, broker, n, nsubs, name="billing", args=()):
     return [(broker.publish_event("payment.failed", b), b) for b in bodies]
 
 
+@pytest.mark.slow  # drains 3,000 events through an immediate stop of PostgreSQL: 1-2 minutes
 def test_acked_effects_survive_a_crash_under_an_asynchronous_default(servers, db, queue,
                                                                      consumers, broker,
                                                                      dead_letters):

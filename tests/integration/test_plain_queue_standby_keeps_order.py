@@ -16,6 +16,8 @@ events concurrently and out of order."""
 import json
 import time
 
+import pytest
+
 from conftest import wait_until
 from group_helpers import (Emitter, active_consumers, audit, group_consumers, group_queue,
                            install_effect_log, plan_billing)
@@ -29,6 +31,7 @@ RATE = 200.0  # events/s: 1,200 events in about 6 s
 KILL_EVERY = 1.0
 
 
+@pytest.mark.slow  # three SIGKILLs, each waiting for the standby to take over: 1-2 minutes
 def test_two_processes_on_a_plain_queue_keep_order_through_sigkills(
         db, servers, broker, group_queue, group_consumers, relay_daemons):
     q = group_queue("standby")

@@ -30,6 +30,9 @@ from group_helpers import (Emitter, audit, group_consumers, group_queue, install
                            partitions, plan_billing)
 from relay_helpers import RelayDaemon, relay_daemons
 
+# Each procedure drains a group and declares another with events in flight: 30-60 s a case.
+pytestmark = pytest.mark.slow
+
 __all__ = ["group_consumers", "group_queue", "relay_daemons"]
 
 OLD_COMMIT = "b6262ec"
