@@ -1,6 +1,6 @@
 -- The transactional outbox. seq gives a strict order (created_at ties for rows of one
 -- transaction); next_attempt_at schedules retries. status: pending | sent | failed.
-CREATE TABLE event_outbox (
+CREATE TABLE idem.event_outbox (
     outbox_id       uuid        PRIMARY KEY DEFAULT gen_random_uuid(),
     seq             bigint      GENERATED ALWAYS AS IDENTITY,
     event_id        uuid        NOT NULL UNIQUE,
@@ -18,25 +18,27 @@ CREATE TABLE event_outbox (
 
 -- The relay's scan: exactly the non-terminal rows, in emit order. Any new non-terminal status
 -- must be added to these predicates in the same migration.
-CREATE INDEX event_outbox_pending ON event_outbox (seq) WHERE status = 'pending';
+CREATE INDEX event_outbox_pending ON idem.event_outbox (seq) WHERE status = 'pending';
 -- A subscription's first pending row, for the relay's head check (one index probe).
-CREATE INDEX event_outbox_pending_sub ON event_outbox (subscription_id, seq)
+CREATE INDEX event_outbox_pending_sub ON idem.event_outbox (subscription_id, seq)
     WHERE status = 'pending';
 -- Head-of-line check per subscription: pending rows that have failed at least once are the only
 -- ones that can wait for a later attempt, so this index stays as small as the retry backlog.
-CREATE INDEX event_outbox_retrying ON event_outbox (subscription_id, seq)
+CREATE INDEX event_outbox_retrying ON idem.event_outbox (subscription_id, seq)
     WHERE status = 'pending' AND attempts > 0;
 -- Retention of sent rows by age, and the operator's list of parked rows.
-CREATE INDEX event_outbox_sent_at ON event_outbox (sent_at) WHERE status = 'sent';
-CREATE INDEX event_outbox_failed ON event_outbox (created_at) WHERE status = 'failed';
+CREATE INDEX event_outbox_sent_at ON idem.event_outbox (sent_at) WHERE status = 'sent';
+CREATE INDEX event_outbox_failed ON idem.event_outbox (created_at) WHERE status = 'failed';
 
 -- Queues one event in the caller's transaction. The event id is md5(dedup_key)::uuid, so a
 -- replay of the same business operation collapses into the same row. A per-subscription
 -- transaction lock makes seq order equal commit order for one subscription, so relays can
 -- publish a subscription's events in emit order. The NOTIFY is delivered at commit.
-CREATE FUNCTION idem_emit(event_type text, subscription_id uuid, dedup_key text, payload jsonb)
+CREATE FUNCTION idem.idem_emit(event_type text, subscription_id uuid, dedup_key text, payload jsonb)
 RETURNS uuid
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+SET search_path = pg_catalog, idem, pg_temp
+AS $$
 DECLARE
     v_event_id uuid;
 BEGIN

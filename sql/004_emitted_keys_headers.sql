@@ -2,34 +2,36 @@
 -- it first produced for as long as consumers could apply it again: that is longer than the outbox
 -- keeps its rows (`retain --outbox-keep`), so the keys live in a table of their own, aged from the
 -- first emit and deleted by `retain --keys-keep`.
-CREATE TABLE idem_emitted_keys (
+CREATE TABLE idem.idem_emitted_keys (
     event_id         uuid        PRIMARY KEY,
     event_type       text        NOT NULL,
     subscription_id  uuid        NOT NULL,
     first_emitted_at timestamptz NOT NULL DEFAULT now()
 );
-CREATE INDEX idem_emitted_keys_first_emitted_at ON idem_emitted_keys (first_emitted_at);
+CREATE INDEX idem_emitted_keys_first_emitted_at ON idem.idem_emitted_keys (first_emitted_at);
 
-INSERT INTO idem_emitted_keys (event_id, event_type, subscription_id, first_emitted_at)
-SELECT event_id, event_type, subscription_id, created_at FROM event_outbox
+INSERT INTO idem.idem_emitted_keys (event_id, event_type, subscription_id, first_emitted_at)
+SELECT event_id, event_type, subscription_id, created_at FROM idem.event_outbox
 ON CONFLICT DO NOTHING;
 
 -- Message headers given at emit time (a flat JSON object of strings, e.g. traceparent); the relay
 -- publishes them beside its own.
-ALTER TABLE event_outbox ADD COLUMN headers jsonb
+ALTER TABLE idem.event_outbox ADD COLUMN headers jsonb
     CHECK (headers IS NULL OR jsonb_typeof(headers) = 'object');
 
-DROP FUNCTION idem_emit(text, uuid, text, jsonb);
+DROP FUNCTION idem.idem_emit(text, uuid, text, jsonb);
 
 -- Queues one event in the caller's transaction. The event id is md5(dedup_key)::uuid: a replay
 -- of the same operation (same key, type and subscription) inserts nothing and returns the same
 -- id; the same key with another type or subscription is an error (23505), never a silent drop.
 -- A per-subscription transaction lock makes seq order equal commit order for one subscription.
 -- The NOTIFY is delivered at commit.
-CREATE FUNCTION idem_emit(event_type text, subscription_id uuid, dedup_key text, payload jsonb,
-                          headers jsonb DEFAULT NULL)
+CREATE FUNCTION idem.idem_emit(event_type text, subscription_id uuid, dedup_key text, payload jsonb,
+                               headers jsonb DEFAULT NULL)
 RETURNS uuid
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+SET search_path = pg_catalog, idem, pg_temp
+AS $$
 DECLARE
     v_event_id uuid;
     v_type text;

@@ -10,7 +10,7 @@
 -- old partition has reached the fence and recorded it here.
 
 -- The partition each subscription's events were last applied from, per consumer group.
-CREATE TABLE idem_partition_routes (
+CREATE TABLE idem.idem_partition_routes (
     consumer        text NOT NULL,
     subscription_id uuid NOT NULL,
     partition       integer NOT NULL CHECK (partition >= 0),
@@ -19,7 +19,7 @@ CREATE TABLE idem_partition_routes (
 );
 
 -- Fences reached in their partition, until the consumer waiting for one takes it.
-CREATE TABLE idem_partition_fences (
+CREATE TABLE idem.idem_partition_fences (
     consumer   text NOT NULL,
     fence_id   uuid NOT NULL,
     reached_at timestamptz NOT NULL DEFAULT now(),
@@ -28,12 +28,12 @@ CREATE TABLE idem_partition_fences (
 
 DO $$
 BEGIN
-    IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'idem_consumer') THEN
-        GRANT SELECT, INSERT, UPDATE ON idem_partition_routes TO idem_consumer;
-        GRANT SELECT, INSERT, DELETE ON idem_partition_fences TO idem_consumer;
+    IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'idem_consumer') THEN
+        GRANT SELECT, INSERT, UPDATE ON idem.idem_partition_routes TO idem_consumer;
+        GRANT SELECT, INSERT, DELETE ON idem.idem_partition_fences TO idem_consumer;
     END IF;
-    IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'idem_operator') THEN
-        GRANT SELECT ON idem_partition_routes, idem_partition_fences TO idem_operator;
+    IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'idem_operator') THEN
+        GRANT SELECT ON idem.idem_partition_routes, idem.idem_partition_fences TO idem_operator;
     END IF;
 END
 $$;

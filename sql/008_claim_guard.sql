@@ -8,15 +8,15 @@
 -- idem_event_conn, or through idem_event_exec) therefore commits nothing: the whole transaction
 -- rolls back and the runtime dead-letters the event as handler_rejected. Unlogged: the rows are
 -- only a hook for the trigger and carry nothing worth keeping across a crash.
-CREATE UNLOGGED TABLE IF NOT EXISTS idem_claim_guard (
+CREATE UNLOGGED TABLE IF NOT EXISTS idem.idem_claim_guard (
     pid integer PRIMARY KEY,
     uses bigint NOT NULL DEFAULT 0
 );
 
-CREATE OR REPLACE FUNCTION idem_claim_guard_check()
+CREATE OR REPLACE FUNCTION idem.idem_claim_guard_check()
 RETURNS trigger
 LANGUAGE plpgsql
-SET search_path = pg_catalog, pg_temp
+SET search_path = pg_catalog, idem, pg_temp
 AS $$
 BEGIN
     IF pg_catalog.current_setting('idem.commit', true) IS DISTINCT FROM 'on' THEN
@@ -28,11 +28,11 @@ BEGIN
 END
 $$;
 
-DROP TRIGGER IF EXISTS idem_claim_guard_commit ON idem_claim_guard;
+DROP TRIGGER IF EXISTS idem_claim_guard_commit ON idem.idem_claim_guard;
 CREATE CONSTRAINT TRIGGER idem_claim_guard_commit
-    AFTER INSERT OR UPDATE ON idem_claim_guard
+    AFTER INSERT OR UPDATE ON idem.idem_claim_guard
     DEFERRABLE INITIALLY DEFERRED
-    FOR EACH ROW EXECUTE FUNCTION idem_claim_guard_check();
+    FOR EACH ROW EXECUTE FUNCTION idem.idem_claim_guard_check();
 
 -- Queued by the runtime right before its COMMIT. Fails with SQLSTATE IDEM2 (the handler is at
 -- fault: the runtime dead-letters it as handler_rejected) when the transaction is not the one the
@@ -41,10 +41,10 @@ CREATE CONSTRAINT TRIGGER idem_claim_guard_commit
 -- runtime's statements must find idem's tables next time), session_replication_role (replica
 -- mode would skip this guard and the handlers' own constraints). Otherwise it allows the COMMIT.
 -- caller_search_path: the caller's current_setting('search_path') (inside, the pinned one shows).
-CREATE OR REPLACE FUNCTION idem_claim_commit(caller_search_path text)
+CREATE OR REPLACE FUNCTION idem.idem_claim_commit(caller_search_path text)
 RETURNS void
 LANGUAGE plpgsql
-SET search_path = pg_catalog, pg_temp
+SET search_path = pg_catalog, idem, pg_temp
 AS $$
 DECLARE
     v text;
@@ -80,9 +80,10 @@ $$;
 -- is fresh for a consumer with the same window (until it ages past the window itself). `retain`
 -- keeps ledger rows one day longer than the window: a delivery accepted as
 -- fresh, with a timestamp up to one day in the future, still finds its ledger row.
-CREATE OR REPLACE FUNCTION idem_stale_before(window_ms bigint)
+CREATE OR REPLACE FUNCTION idem.idem_stale_before(window_ms bigint)
 RETURNS bigint
 LANGUAGE sql STABLE PARALLEL SAFE
+SET search_path = pg_catalog, idem, pg_temp
 AS $$
     SELECT pg_catalog.int8(pg_catalog.floor(pg_catalog.date_part('epoch', pg_catalog.now())))
            OPERATOR(pg_catalog.-) (window_ms OPERATOR(pg_catalog./) 1000)
@@ -91,12 +92,12 @@ $$;
 DO $$
 BEGIN
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'idem_consumer') THEN
-        GRANT SELECT, INSERT, UPDATE ON idem_claim_guard TO idem_consumer;
-        GRANT EXECUTE ON FUNCTION idem_claim_commit(text) TO idem_consumer;
-        GRANT EXECUTE ON FUNCTION idem_stale_before(bigint) TO idem_consumer;
+        GRANT SELECT, INSERT, UPDATE ON idem.idem_claim_guard TO idem_consumer;
+        GRANT EXECUTE ON FUNCTION idem.idem_claim_commit(text) TO idem_consumer;
+        GRANT EXECUTE ON FUNCTION idem.idem_stale_before(bigint) TO idem_consumer;
     END IF;
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'idem_operator') THEN
-        GRANT EXECUTE ON FUNCTION idem_stale_before(bigint) TO idem_operator;
+        GRANT EXECUTE ON FUNCTION idem.idem_stale_before(bigint) TO idem_operator;
     END IF;
 END
 $$;

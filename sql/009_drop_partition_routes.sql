@@ -4,5 +4,5 @@
 -- tables that let a subscription move between partitions of RabbitMQ's consistent-hash ring go.
 -- (Run after the consumers of an older idem are stopped: see the README, "Upgrading and changing
 -- --partitions".)
-DROP TABLE IF EXISTS idem_partition_fences;
-DROP TABLE IF EXISTS idem_partition_routes;
+DROP TABLE IF EXISTS idem.idem_partition_fences;
+DROP TABLE IF EXISTS idem.idem_partition_routes;

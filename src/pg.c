@@ -242,7 +242,17 @@ int idemp_pgconn_script(PGconn *conn, const char *sql, const char *what, idem_er
     ExecStatusType st = res ? PQresultStatus(res) : PGRES_FATAL_ERROR;
     int rc = IDEM_OK;
     if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK) {
-        rc = idemp_pg_result_error(conn, res, what, err);
+        idem_error_t e = {0};
+        rc = idemp_pg_result_error(conn, res, what, &e);
+        /* the whole of what names the script ("migration 004_x.sql failed: ...") */
+        const char *msg = res ? PQresultErrorMessage(res) : "";
+        if (err != NULL && err->code == 0) {
+            *err = e;
+            if (msg != NULL && *msg != '\0') {
+                err->code = 0;
+                idem_error_set(err, rc, "%s failed: %s", what, msg);
+            }
+        }
     }
     PQclear(res);
     return rc;

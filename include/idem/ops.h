@@ -21,9 +21,25 @@ extern "C" {
 
 /* Applies the numbered *.sql files of sql_dir (NULL = the directory found next to the binary,
  * then $IDEM_SQL_DIR, then the installed share/idem/sql) that are not yet recorded in
- * idem_schema_migrations, each in its own transaction, in order. Writes one line per applied
- * file to out (if non-NULL) and sets *applied. Safe to run concurrently (advisory lock). */
+ * idem.idem_schema_migrations, each in its own transaction (nothing of a file that fails stays;
+ * the error names it), in order. Every object goes to schema idem, created here; the session's
+ * search_path is pg_catalog, idem, pg_temp while they run (nothing planted in another schema
+ * runs). A database migrated by an older idem (objects and record in the first schema of the
+ * connection's search_path that has them, usually public) is moved into idem first. Writes one
+ * line per applied file to out (if non-NULL) and sets *applied. Safe to run concurrently
+ * (advisory lock). */
 int idem_migrate(PGconn *conn, const char *sql_dir, FILE *out, int *applied, idem_error_t *err);
+
+/* flags: the bundled billing handlers' tables too (sql_dir/billing/, schema billing), after
+ * idem's own migrations. */
+#define IDEM_MIGRATE_BILLING 1
+int idem_migrate_with(PGconn *conn, const char *sql_dir, int flags, FILE *out, int *applied,
+                      idem_error_t *err);
+
+/* Writes "applied NAME" or "pending NAME" for each migration of the set flags selects, in order,
+ * and sets *pending to how many are pending; changes nothing (but the session's search_path). */
+int idem_migrate_status(PGconn *conn, const char *sql_dir, int flags, FILE *out, int *pending,
+                        idem_error_t *err);
 
 typedef struct idem_retain_config {
     int64_t outbox_keep_ms;      /* sent outbox rows older than this (by sent_at) go; default 7d */
