@@ -41,6 +41,7 @@ LIB_SRCS := \
 	src/pg_where.c \
 	src/pg_async.c \
 	src/pg_array.c \
+	src/pg_schema.c \
 	src/rmq_url.c \
 	src/rmq.c \
 	src/rmq_socket.c \
@@ -237,7 +238,7 @@ chaos-all: deps
 
 install: all
 	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib/pkgconfig \
-		$(DESTDIR)$(PREFIX)/include/idem $(DESTDIR)$(PREFIX)/share/idem/sql
+		$(DESTDIR)$(PREFIX)/include/idem $(DESTDIR)$(PREFIX)/share/idem/sql/billing
 	install -m755 $(BUILD)/idem $(DESTDIR)$(PREFIX)/bin/idem
 	install -m644 $(BUILD)/libidem.a $(DESTDIR)$(PREFIX)/lib/libidem.a
 	install -m755 $(BUILD)/libidem.so.$(VERSION) $(DESTDIR)$(PREFIX)/lib/libidem.so.$(VERSION)
@@ -245,6 +246,7 @@ install: all
 	ln -sf libidem.so.$(VERSION) $(DESTDIR)$(PREFIX)/lib/libidem.so
 	install -m644 include/idem/*.h $(DESTDIR)$(PREFIX)/include/idem/
 	install -m644 sql/*.sql $(DESTDIR)$(PREFIX)/share/idem/sql/
+	install -m644 sql/billing/*.sql $(DESTDIR)$(PREFIX)/share/idem/sql/billing/
 	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' idem.pc.in > $(BUILD)/idem.pc
 	install -m644 $(BUILD)/idem.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig/idem.pc
 

@@ -9,13 +9,13 @@
 
 #define SQL_INVOICE_PAID                                                                           \
     "WITH revenue AS ("                                                                            \
-    "  INSERT INTO revenue_entries (invoice_id, subscription_id, amount_cents, currency, "         \
+    "  INSERT INTO billing.revenue_entries (invoice_id, subscription_id, amount_cents, currency, " \
     "event_id)"                                                                                    \
     "  VALUES ($1, $2, $3, $4, $5)), "                                                             \
     "dunning_reset AS ("                                                                           \
-    "  UPDATE dunning SET step = 0, updated_at = now(), last_event_id = $5"                        \
+    "  UPDATE billing.dunning SET step = 0, updated_at = now(), last_event_id = $5"                \
     "  WHERE subscription_id = $2) "                                                               \
-    "SELECT idem_emit('receipt.requested', $2, $6, $7::jsonb)"
+    "SELECT idem.idem_emit('receipt.requested', $2, $6, $7::jsonb)"
 
 idem_outcome billing_invoice_paid(idem_event_t *ev, void *userdata)
 {

@@ -4,9 +4,9 @@
 #include "billing.h"
 
 #define SQL_ADVANCE_DUNNING                                                                        \
-    "INSERT INTO dunning (subscription_id, step, last_event_id) VALUES ($1, 1, $2) "               \
+    "INSERT INTO billing.dunning AS d (subscription_id, step, last_event_id) VALUES ($1, 1, $2) "  \
     "ON CONFLICT (subscription_id) DO UPDATE "                                                     \
-    "SET step = dunning.step + 1, updated_at = now(), last_event_id = EXCLUDED.last_event_id"
+    "SET step = d.step + 1, updated_at = now(), last_event_id = EXCLUDED.last_event_id"
 
 idem_outcome billing_payment_failed(idem_event_t *ev, void *userdata)
 {

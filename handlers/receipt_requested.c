@@ -3,7 +3,7 @@
 #include "billing.h"
 
 #define SQL_RECEIPT                                                                                \
-    "INSERT INTO receipts (invoice_id, subscription_id, event_id) VALUES ($1, $2, $3)"
+    "INSERT INTO billing.receipts (invoice_id, subscription_id, event_id) VALUES ($1, $2, $3)"
 
 idem_outcome billing_receipt_requested(idem_event_t *ev, void *userdata)
 {

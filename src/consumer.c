@@ -175,6 +175,20 @@ int idem_consumer_register(idem_consumer_t *c, const char *event_type, idem_hand
     return idemp_registry_add(c->reg, event_type, fn, userdata);
 }
 
+int idem_consumer_require_migration(idem_consumer_t *c, const char *version)
+{
+    size_t n = 0;
+    while (c->required[n] != NULL)
+        n++;
+    if (version == NULL || *version == '\0' || n + 1 >= sizeof c->required / sizeof c->required[0])
+        return IDEM_ERR_INVALID;
+    for (size_t i = 0; i < n; i++)
+        if (strcmp(c->required[i], version) == 0)
+            return IDEM_OK;
+    c->required[n] = strdup(version);
+    return c->required[n] != NULL ? IDEM_OK : IDEM_ERR_NOMEM;
+}
+
 void idem_consumer_free(idem_consumer_t *c)
 {
     if (c == NULL)
@@ -207,7 +221,8 @@ void idem_consumer_free(idem_consumer_t *c)
     free(c->dlx);
     free(c->part_exchange);
     free(c->unkeyed_exchange);
-    free(c->claim_commit_sql);
+    for (size_t i = 0; c->required[i] != NULL; i++)
+        free(c->required[i]);
     free(c->queue_part);
     free(c->pg_conninfo);
     free(c->amqp_url);

@@ -14,7 +14,7 @@
  * upsert of idem_claim_guard arms the deferred trigger that refuses any other COMMIT of this
  * transaction, such as a handler's own. */
 #define SQL_SETTINGS                                                                               \
-    "WITH g AS (INSERT INTO idem_claim_guard AS g (pid) VALUES (pg_backend_pid()) "                \
+    "WITH g AS (INSERT INTO idem.idem_claim_guard AS g (pid) VALUES (pg_backend_pid()) "           \
     "ON CONFLICT (pid) DO UPDATE SET uses = g.uses + 1) "                                          \
     "SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true),"      \
     " set_config('jit', 'off', true), set_config('synchronous_commit', "                           \
@@ -28,8 +28,8 @@
  * Ids are inserted in the batch's order, a stable lock order. */
 #define SQL_CLAIM                                                                                  \
     "WITH c AS (SELECT e, ts, i FROM unnest($2::uuid[], $3::bigint[]) WITH ORDINALITY AS c(e, "    \
-    "ts, i)), t AS (SELECT idem_stale_before($4::bigint) AS cut), "                                \
-    "ins AS (INSERT INTO consumed_events (consumer, event_id) SELECT $1, c.e FROM c, t "           \
+    "ts, i)), t AS (SELECT idem.idem_stale_before($4::bigint) AS cut), "                           \
+    "ins AS (INSERT INTO idem.consumed_events (consumer, event_id) SELECT $1, c.e FROM c, t "      \
     "WHERE c.ts IS NULL OR c.ts >= t.cut ORDER BY c.i "                                            \
     "ON CONFLICT DO NOTHING RETURNING event_id) "                                                  \
     "SELECT event_id::text, 'c' FROM ins UNION ALL "                                               \
@@ -40,11 +40,11 @@
  * IDEM1 (sql/007_claim_check.sql), and with it the rest of the pipeline and the COMMIT. */
 #define SQL_CLAIM_ALL                                                                              \
     "WITH c AS (SELECT e, ts, i FROM unnest($2::uuid[], $3::bigint[]) WITH ORDINALITY AS c(e, "    \
-    "ts, i)), t AS (SELECT idem_stale_before($4::bigint) AS cut), "                                \
-    "ins AS (INSERT INTO consumed_events (consumer, event_id) SELECT $1, c.e FROM c, t "           \
+    "ts, i)), t AS (SELECT idem.idem_stale_before($4::bigint) AS cut), "                           \
+    "ins AS (INSERT INTO idem.consumed_events (consumer, event_id) SELECT $1, c.e FROM c, t "      \
     "WHERE c.ts IS NULL OR c.ts >= t.cut ORDER BY c.i "                                            \
     "ON CONFLICT DO NOTHING RETURNING 1) "                                                         \
-    "SELECT idem_claim_check((SELECT count(*) FROM ins), $5::integer)"
+    "SELECT idem.idem_claim_check((SELECT count(*) FROM ins), $5::integer)"
 
 static void build_arrays(delivery_t **ds, size_t n, idemp_pgarray_t *ids, idemp_pgarray_t *tss)
 {

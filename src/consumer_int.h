@@ -29,6 +29,12 @@
  */
 enum dstate { D_READY, D_WAIT, D_DEAD, D_DONE, D_COMMITTING };
 
+/* Runs right before the runtime's COMMIT (sql/008_claim_guard.sql): fails with SQLSTATE IDEM2 when
+ * a handler ended the claim's transaction or changed a setting the runtime relies on, and
+ * otherwise arms the COMMIT (any other COMMIT of a claim's transaction is refused). Qualified, so
+ * that a handler's search_path cannot hide it. */
+#define SQL_CLAIM_COMMIT "SELECT idem.idem_claim_commit(pg_catalog.current_setting('search_path'))"
+
 typedef struct delivery {
     idemp_msg_t *msg; /* owned */
     uint64_t tag;
@@ -60,13 +66,9 @@ struct idem_consumer {
     char **binds;                 /* NULL-terminated, owned */
     sql_handler_t **sql_handlers; /* owned; registry entries point at them */
     size_t nsql_handlers;
-    bool sql_checked; /* the SQL handlers' functions were found */
-    bool claim_check; /* idem_claim_check exists: batches go in one round trip */
-    /* Runs right before the runtime's COMMIT (sql/008_claim_guard.sql): fails with SQLSTATE IDEM2
-     * when a handler ended the claim's transaction or changed a setting the runtime relies on, and
-     * otherwise arms the COMMIT (any other COMMIT of a claim's transaction is refused). Qualified
-     * with the schema found at start, so that a handler's search_path cannot hide it. */
-    char *claim_commit_sql;
+    bool sql_checked;  /* the SQL handlers' functions were found */
+    bool claim_check;  /* idem_claim_check exists: batches go in one round trip */
+    char *required[8]; /* migrations the handlers need (NULL-terminated, owned) */
     idem_consumer_config_t cfg;
     idemp_registry_t *reg;
     /* PostgreSQL: the next transaction runs on pg, one of pgs with no COMMIT on its way (NULL

@@ -9,15 +9,10 @@
 #include "consumer_int.h"
 #include "event.h"
 
-#define SQL_FUNCTION_EXISTS "SELECT to_regprocedure($1) IS NOT NULL"
-/* Executable, and the schema it lives in. */
-#define SQL_FUNCTION_SCHEMA                                                                        \
-    "SELECT coalesce(has_function_privilege(to_regprocedure($1), 'EXECUTE'), false), "             \
-    "(SELECT pg_catalog.quote_ident(n.nspname) FROM pg_catalog.pg_proc p JOIN "                    \
-    "pg_catalog.pg_namespace n "                                                                   \
-    "ON n.oid = p.pronamespace WHERE p.oid = to_regprocedure($1))"
+#define SQL_FUNCTION_EXISTS "SELECT pg_catalog.to_regprocedure($1) IS NOT NULL"
 #define SQL_FUNCTION_USABLE                                                                        \
-    "SELECT coalesce(has_function_privilege(to_regprocedure($1), 'EXECUTE'), false)"
+    "SELECT coalesce(pg_catalog.has_function_privilege(pg_catalog.to_regprocedure($1), "           \
+    "'EXECUTE'), false)"
 
 /* ---- SQL handlers ------------------------------------------------------------------------- */
 
@@ -82,49 +77,41 @@ int idem_consumer_register_sql(idem_consumer_t *c, const char *event_type, const
     return idemp_registry_add(c->reg, event_type, run_sql_handler, h);
 }
 
-/* Every SQL handler's function must exist before anything is consumed; and is the claim check of
- * the one-round-trip batch there (sql/007_claim_check.sql)? */
+/* The database is migrated to what the runtime and the handlers need (idemp_pg_schema_check);
+ * every SQL handler's function exists; and is the claim check of the one-round-trip batch there
+ * (sql/007_claim_check.sql)? */
 int idemp_consumer_check_sql(idem_consumer_t *c, idem_error_t *err)
 {
     idemp_rows_t *res = NULL;
+    int rc = idemp_pg_schema_check(idemp_pg_conn(c->pg), (const char *const *)c->required, err);
+    if (rc == IDEM_ERR_REFUSED)
+        rc = IDEM_ERR_NOT_FOUND; /* at start: one line, exit 1 */
+    if (rc != IDEM_OK)
+        return rc;
     /* the claim's guard and stale rule (sql/008_claim_guard.sql): nothing is claimed without */
-    static const char *const needed[] = {"idem_claim_commit(text)", "idem_stale_before(bigint)"};
+    static const char *const needed[] = {"idem.idem_claim_commit(text)",
+                                         "idem.idem_stale_before(bigint)",
+                                         "idem.idem_claim_check(bigint,integer)"};
     for (size_t i = 0; i < sizeof needed / sizeof needed[0]; i++) {
         const char *np[] = {needed[i]};
-        int rc = idemp_pg_exec(c->pg, SQL_FUNCTION_SCHEMA, 1, np, &res, err);
+        rc = idemp_pg_exec(c->pg, SQL_FUNCTION_USABLE, 1, np, &res, err);
         if (rc != IDEM_OK)
             return rc;
         bool ok = idemp_rows_count(res) == 1 && idemp_rows_get(res, 0, 0)[0] == 't';
-        if (ok && i == 0 && c->claim_commit_sql == NULL) {
-            static const char fmt[] =
-                "SELECT %s.idem_claim_commit(pg_catalog.current_setting('search_path'))";
-            const char *schema = idemp_rows_get(res, 0, 1);
-            size_t n = sizeof fmt + strlen(schema);
-            if ((c->claim_commit_sql = malloc(n)) != NULL)
-                snprintf(c->claim_commit_sql, n, fmt, schema);
-            if (c->claim_commit_sql == NULL) {
-                idemp_rows_free(res);
-                return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
-            }
-        }
         idemp_rows_free(res);
-        if (!ok)
+        if (i == 2)
+            c->claim_check = ok;
+        else if (!ok)
             return idem_error_set(err, IDEM_ERR_NOT_FOUND,
-                                  "the database is not migrated for this version of idem "
-                                  "(function %s is missing or not executable): run idem migrate",
+                                  "function %s is missing or not executable by this role "
+                                  "(run idem migrate, grant the role idem_consumer)",
                                   needed[i]);
     }
-    const char *cp[] = {"idem_claim_check(bigint,integer)"};
-    int rc = idemp_pg_exec(c->pg, SQL_FUNCTION_USABLE, 1, cp, &res, err);
-    if (rc != IDEM_OK)
-        return rc;
-    c->claim_check = idemp_rows_count(res) == 1 && idemp_rows_get(res, 0, 0)[0] == 't';
-    idemp_rows_free(res);
     if (!c->claim_check)
         idemp_consumer_log(IDEM_LOG_WARN, c, NULL,
-                           "function idem_claim_check is missing or not executable (run idem "
-                           "migrate): every batch reads its claim before its handlers run, one "
-                           "round trip more");
+                           "function idem.idem_claim_check is missing or not executable (run "
+                           "idem migrate, grant idem_consumer): every batch reads its claim "
+                           "before its handlers run, one round trip more");
     for (size_t i = 0; i < idemp_registry_count(c->reg); i++) {
         const idemp_handler_entry_t *e =
             idemp_registry_find(c->reg, idemp_registry_type(c->reg, i));

@@ -212,7 +212,7 @@ static void attempt(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size_t 
         a->at = AT_COMMIT;
         idemp_fault_point("consumer.before_commit");
         if (may_send && !single && idemp_pg_pipeline_open(pg)) {
-            a->rc = idemp_pg_exec(pg, c->claim_commit_sql, 0, NULL, NULL, &a->err);
+            a->rc = idemp_pg_exec(pg, SQL_CLAIM_COMMIT, 0, NULL, NULL, &a->err);
             if (a->rc == IDEM_OK)
                 a->rc = idemp_pg_queue_commit(pg, &a->err);
             if (a->rc == IDEM_OK)
@@ -222,7 +222,7 @@ static void attempt(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size_t 
                 return;
             }
         } else {
-            a->rc = idemp_pg_commit(pg, c->claim_commit_sql, &a->err);
+            a->rc = idemp_pg_commit(pg, SQL_CLAIM_COMMIT, &a->err);
         }
     }
     finished(pg, a, all_new);

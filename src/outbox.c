@@ -6,7 +6,7 @@
 
 #include "pg.h"
 
-#define SQL_EMIT "SELECT idem_emit($1, $2::uuid, $3, $4::jsonb, $5::jsonb)"
+#define SQL_EMIT "SELECT idem.idem_emit($1, $2::uuid, $3, $4::jsonb, $5::jsonb)"
 
 int idem_emit(PGconn *conn, const char *event_type, const char *subscription_id,
               const char *dedup_key, const json_t *payload, char event_id_out[IDEM_UUID_LEN + 1],

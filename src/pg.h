@@ -133,6 +133,14 @@ bool idemp_pgconn_ok(PGconn *conn); /* connected and usable */
 /* Runs a trusted multi-statement script (a migration file) as one simple query. */
 int idemp_pgconn_script(PGconn *conn, const char *sql, const char *what, idem_error_t *err);
 
+/* The latest of idem's migrations (sql/) this binary needs; a migration that changes what the
+ * code relies on updates it. */
+#define IDEMP_SCHEMA_NEEDS "010_schema_idem.sql"
+/* The database has IDEMP_SCHEMA_NEEDS and each of extra (NULL-terminated, may be NULL: e.g.
+ * "billing/001_billing.sql") applied. IDEM_ERR_NOT_FOUND: one line naming `idem migrate` (with
+ * --billing for the billing ones); IDEM_ERR_REFUSED: the role may not read the record. */
+int idemp_pg_schema_check(PGconn *conn, const char *const *extra, idem_error_t *err);
+
 /* "host:port" of a libpq conninfo or URI for messages, libpq's defaults filled in; a multi-host
  * conninfo gives "h1:p1,h2:p2". */
 void idemp_pg_where(const char *conninfo, char *out, size_t outsz);

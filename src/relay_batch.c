@@ -16,12 +16,12 @@
  * claim's settings, relay_claim.c): the event became durable at the emitter's commit, and a "sent"
  * mark lost in a crash only makes the row go out again, which the consumers' ledger absorbs. */
 #define SQL_MARK_SENT                                                                              \
-    "UPDATE event_outbox o SET status = 'sent', sent_at = now()"                                   \
+    "UPDATE idem.event_outbox o SET status = 'sent', sent_at = now()"                              \
     " WHERE o.ctid = ANY($1::tid[]) AND o.status = 'pending'"
 
 /* A failed publish spends one attempt; the row waits base * 2^attempts (capped) or parks. */
 #define SQL_MARK_FAILED                                                                            \
-    "UPDATE event_outbox o"                                                                        \
+    "UPDATE idem.event_outbox o"                                                                   \
     "   SET attempts = o.attempts + 1, last_error = f.err,"                                        \
     "       status = CASE WHEN o.attempts + 1 >= $2::int THEN 'failed' ELSE 'pending' END,"        \
     "       next_attempt_at = now() + LEAST($4::float8, $3::float8 * power(2::float8,"             \

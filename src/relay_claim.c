@@ -39,18 +39,18 @@
     "  UNION ALL"                                                                                  \
     "    SELECT n.* FROM h CROSS JOIN LATERAL ("                                                   \
     "        (SELECT o.subscription_id, o.seq, o.ctid, o.next_attempt_at <= now(), h.wrapped"      \
-    "           FROM event_outbox o WHERE o.status = 'pending' AND o.subscription_id > h.sub"      \
+    "           FROM idem.event_outbox o WHERE o.status = 'pending' AND o.subscription_id > h.sub" \
     "          ORDER BY o.subscription_id, o.seq LIMIT 1)"                                         \
     "        UNION ALL"                                                                            \
     "        (SELECT o.subscription_id, o.seq, o.ctid, o.next_attempt_at <= now(), true"           \
-    "           FROM event_outbox o WHERE o.status = 'pending' AND NOT h.wrapped"                  \
+    "           FROM idem.event_outbox o WHERE o.status = 'pending' AND NOT h.wrapped"             \
     "          ORDER BY o.subscription_id, o.seq LIMIT 1)"                                         \
     "        LIMIT 1) n(sub, seq, t, due, wrapped)"                                                \
     "     WHERE NOT n.wrapped OR n.sub <= $2::uuid)"                                               \
     "SELECT o.outbox_id, o.event_id, o.subscription_id, o.event_type, o.payload::text,"            \
     "       o.attempts, floor(extract(epoch FROM o.created_at))::bigint, o.seq, NULL::bigint,"     \
     "       o.headers::text, o.row_tid"                                                            \
-    "  FROM h CROSS JOIN LATERAL (SELECT x.ctid AS row_tid, x.* FROM event_outbox x"               \
+    "  FROM h CROSS JOIN LATERAL (SELECT x.ctid AS row_tid, x.* FROM idem.event_outbox x"          \
     "                              WHERE x.ctid = h.t AND x.status = 'pending'"                    \
     "                                AND x.next_attempt_at <= now()"                               \
     "                             OFFSET 0 FOR UPDATE SKIP LOCKED) o"                              \
@@ -65,11 +65,11 @@
 #define SQL_CLAIM_ROWS                                                                             \
     "SELECT o.outbox_id, o.event_id, o.subscription_id, o.event_type, o.payload::text,"            \
     "       o.attempts, floor(extract(epoch FROM o.created_at))::bigint, o.seq,"                   \
-    "       (SELECT p.seq FROM event_outbox p"                                                     \
+    "       (SELECT p.seq FROM idem.event_outbox p"                                                \
     "         WHERE p.subscription_id = o.subscription_id AND p.status = 'pending'"                \
     "           AND p.seq < o.seq ORDER BY p.seq DESC LIMIT 1), o.headers::text, o.row_tid"        \
     "  FROM unnest($1::uuid[], $2::bigint[]) AS h(sub, seq)"                                       \
-    "  CROSS JOIN LATERAL (SELECT x.ctid AS row_tid, x.* FROM event_outbox x"                      \
+    "  CROSS JOIN LATERAL (SELECT x.ctid AS row_tid, x.* FROM idem.event_outbox x"                 \
     "                       WHERE x.subscription_id = h.sub AND x.status = 'pending'"              \
     "                         AND x.seq > h.seq AND x.next_attempt_at <= now()"                    \
     "                      ORDER BY x.seq LIMIT $3 FOR UPDATE SKIP LOCKED) o"                      \

@@ -84,6 +84,7 @@ struct idem_relay {
     int64_t gauge_next_ms;
     int64_t pg_wait_until; /* after a failed statement: no claim before this */
     int pg_failures;
+    bool schema_checked;  /* the database is migrated to what this relay needs */
     bool want_claim;      /* rows are probably due: claim when a slot is free */
     uint64_t wakes;       /* NOTIFYs, polls and commits so far: each makes rows probably due */
     int64_t next_poll_ms; /* the backstop poll: claim at this time even without a NOTIFY */

@@ -16,13 +16,14 @@
  * too old by the consumers' own stale rule (idem_stale_before, sql/008_claim_guard.sql) applied
  * to the timestamp the relay will give it (created_at in whole seconds, rounded down). */
 #define REPLAY_SET                                                                                 \
-    "UPDATE event_outbox SET status = 'pending', attempts = 0, next_attempt_at = now() "
+    "UPDATE idem.event_outbox SET status = 'pending', attempts = 0, next_attempt_at = now() "
 #define REPLAY_RET                                                                                 \
-    " RETURNING floor(extract(epoch FROM created_at))::bigint < idem_stale_before($1::bigint), "   \
+    " RETURNING floor(extract(epoch FROM created_at))::bigint < "                                  \
+    "idem.idem_stale_before($1::bigint), "                                                         \
     "to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')"
 #define REPLAY_ONE REPLAY_SET "WHERE status = 'failed' AND event_id = $2::uuid" REPLAY_RET
 #define REPLAY_ALL REPLAY_SET "WHERE status = 'failed'" REPLAY_RET
-#define REPLAY_STATUS_OF "SELECT status FROM event_outbox WHERE event_id = $1::uuid"
+#define REPLAY_STATUS_OF "SELECT status FROM idem.event_outbox WHERE event_id = $1::uuid"
 /* Wakes relays listening on the channel idem_emit notifies; delivered at COMMIT. */
 #define REPLAY_NOTIFY "SELECT pg_notify('idem_outbox', '')"
 

@@ -37,19 +37,19 @@
     "(now() - $3::bigint * interval '1 millisecond')::text"
 
 #define RETAIN_OUTBOX                                                                              \
-    "DELETE FROM event_outbox WHERE status = 'sent' AND outbox_id IN ("                            \
-    "SELECT outbox_id FROM event_outbox WHERE status = 'sent' AND sent_at < $1::timestamptz "      \
+    "DELETE FROM idem.event_outbox WHERE status = 'sent' AND outbox_id IN ("                       \
+    "SELECT outbox_id FROM idem.event_outbox WHERE status = 'sent' AND sent_at < $1::timestamptz " \
     "ORDER BY sent_at LIMIT $2::int FOR UPDATE SKIP LOCKED)"
 
 /* ctid: a TID scan over exactly the rows the subquery locked, no second index lookup. */
 #define RETAIN_LEDGER                                                                              \
-    "DELETE FROM consumed_events WHERE ctid = ANY(ARRAY("                                          \
-    "SELECT ctid FROM consumed_events WHERE consumed_at < $1::timestamptz "                        \
+    "DELETE FROM idem.consumed_events WHERE ctid = ANY(ARRAY("                                     \
+    "SELECT ctid FROM idem.consumed_events WHERE consumed_at < $1::timestamptz "                   \
     "ORDER BY consumed_at LIMIT $2::int FOR UPDATE SKIP LOCKED))"
 
 #define RETAIN_KEYS                                                                                \
-    "DELETE FROM idem_emitted_keys WHERE event_id IN ("                                            \
-    "SELECT event_id FROM idem_emitted_keys WHERE first_emitted_at < $1::timestamptz "             \
+    "DELETE FROM idem.idem_emitted_keys WHERE event_id IN ("                                       \
+    "SELECT event_id FROM idem.idem_emitted_keys WHERE first_emitted_at < $1::timestamptz "        \
     "ORDER BY first_emitted_at LIMIT $2::int FOR UPDATE SKIP LOCKED)"
 
 void idem_retain_config_init(idem_retain_config_t *cfg)

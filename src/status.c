@@ -18,14 +18,14 @@
     "round(extract(epoch FROM now() - min(created_at) "                                            \
     "FILTER (WHERE status = 'pending'))::numeric, 3), "                                            \
     "count(*) FILTER (WHERE status = 'failed') "                                                   \
-    "FROM event_outbox WHERE status IN ('pending', 'failed') "                                     \
+    "FROM idem.event_outbox WHERE status IN ('pending', 'failed') "                                \
     "GROUP BY event_type ORDER BY event_type"
 
-#define STATUS_LEDGER "SELECT count(*), " RFC3339("min(consumed_at)") " FROM consumed_events"
+#define STATUS_LEDGER "SELECT count(*), " RFC3339("min(consumed_at)") " FROM idem.consumed_events"
 
 #define FAILED_LIST                                                                                \
     "SELECT event_id, outbox_id, event_type, subscription_id, attempts, " RFC3339(                 \
-        "created_at") ", last_error FROM event_outbox WHERE status = 'failed' ORDER BY "           \
+        "created_at") ", last_error FROM idem.event_outbox WHERE status = 'failed' ORDER BY "      \
                       "created_at, seq"
 
 static json_t *int_or_null(const idemp_rows_t *r, int row, int col)

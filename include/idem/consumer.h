@@ -60,6 +60,12 @@ void idem_consumer_config_init(idem_consumer_config_t *cfg);
  * and lists are copied. Does not connect. */
 idem_consumer_t *idem_consumer_new(const idem_consumer_config_t *cfg, idem_error_t *err);
 
+/* The handlers registered need migration version (e.g. "billing/001_billing.sql", copied)
+ * applied too: at start the consumer checks that idem.idem_schema_migrations records it (and the
+ * migrations the runtime itself needs), or ends with one line naming `idem migrate` (with
+ * --billing for a billing/ one). 0, IDEM_ERR_INVALID or IDEM_ERR_NOMEM. */
+int idem_consumer_require_migration(idem_consumer_t *c, const char *version);
+
 /* Registers fn for event_type (copied). A second registration for a type replaces the first.
  * 0 or IDEM_ERR_INVALID / IDEM_ERR_NOMEM. */
 int idem_consumer_register(idem_consumer_t *c, const char *event_type, idem_handler_fn fn,

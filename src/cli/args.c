@@ -11,6 +11,7 @@
 #include <idem/error.h>
 
 #include "args.h"
+#include "pg.h"
 
 volatile sig_atomic_t cli_stop;
 
@@ -257,4 +258,20 @@ int cli_parse(const char *cmd, const char *synopsis, int argc, char **argv, cons
         return cli_usage_error(cmd, "--exchange needs a non-empty name");
     cli_apply_logging(g);
     return 0;
+}
+
+PGconn *cli_pg_connect(const char *cmd, const cli_global_t *g, int unreachable, int *code)
+{
+    idem_error_t err = {0};
+    PGconn *conn = idemp_pg_connect_once(g->pg, &err);
+    *code = unreachable;
+    if (conn != NULL && idemp_pg_schema_check(conn, NULL, &err) != IDEM_OK) {
+        if (err.code == IDEM_ERR_NOT_FOUND || err.code == IDEM_ERR_REFUSED)
+            *code = CLI_EXIT_FAIL;
+        idemp_pgconn_close(conn);
+        conn = NULL;
+    }
+    if (conn == NULL)
+        fprintf(stderr, "idem %s: %s\n", cmd, err.text);
+    return conn;
 }

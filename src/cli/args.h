@@ -110,6 +110,12 @@ extern volatile sig_atomic_t cli_stop;
 void cli_install_signals(void);
 
 /* Command entry points; each returns the process exit status. */
+/* Connects for the one-shot command cmd and checks that the database is migrated to what this
+ * binary needs. On failure prints the one contract line, returns NULL and sets *code: unreachable
+ * when it cannot connect or query, CLI_EXIT_FAIL when the schema is not migrated. */
+typedef struct pg_conn PGconn;
+PGconn *cli_pg_connect(const char *cmd, const cli_global_t *g, int unreachable, int *code);
+
 int cmd_migrate(int argc, char **argv, cli_global_t *g);
 int cmd_consume(int argc, char **argv, cli_global_t *g);
 int cmd_relay(int argc, char **argv, cli_global_t *g);

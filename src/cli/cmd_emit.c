@@ -54,12 +54,11 @@ int cmd_emit(int argc, char **argv, cli_global_t *g)
     }
 
     idem_error_t err = {0};
-    PGconn *conn = idemp_pg_connect_once(g->pg, &err);
+    PGconn *conn = cli_pg_connect("emit", g, CLI_EXIT_FAIL, &rc);
     if (conn == NULL) {
         json_decref(doc);
         json_decref(hdr);
-        fprintf(stderr, "idem emit: %s\n", err.text);
-        return CLI_EXIT_FAIL;
+        return rc;
     }
     char id[IDEM_UUID_LEN + 1];
     rc = idemp_pgconn_exec(conn, "BEGIN", 0, NULL, NULL, &err);

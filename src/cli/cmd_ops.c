@@ -16,16 +16,6 @@
 #define DAY_MS (24LL * 3600 * 1000)
 #define JSON_FLAGS (JSON_COMPACT | JSON_REAL_PRECISION(15))
 
-/* Connects for a one-shot command; on failure prints the one contract line. */
-static PGconn *connect_or_say(const char *cmd, const cli_global_t *g)
-{
-    idem_error_t err = {0};
-    PGconn *conn = idemp_pg_connect_once(g->pg, &err);
-    if (conn == NULL)
-        fprintf(stderr, "idem %s: %s\n", cmd, err.text);
-    return conn;
-}
-
 static int fail(const char *cmd, const idem_error_t *err, int code)
 {
     fprintf(stderr, "idem %s: %s\n", cmd, err->text[0] ? err->text : idem_strerror(err->code));
@@ -89,9 +79,9 @@ int cmd_status(int argc, char **argv, cli_global_t *g)
     int rc = cli_parse("status", "[--json] [--max-age DURATION]", argc, argv, opts, g);
     if (rc != 0)
         return rc == CLI_HELP_SHOWN ? CLI_EXIT_OK : rc;
-    PGconn *conn = connect_or_say("status", g);
+    PGconn *conn = cli_pg_connect("status", g, STATUS_EXIT_UNREACHABLE, &rc);
     if (conn == NULL)
-        return STATUS_EXIT_UNREACHABLE;
+        return rc;
     idem_error_t err = {0};
     json_t *doc = NULL;
     rc = idem_status_query(conn, &doc, &err);
@@ -131,9 +121,9 @@ int cmd_failed(int argc, char **argv, cli_global_t *g)
     int rc = cli_parse("failed", "[--json]", argc, argv, opts, g);
     if (rc != 0)
         return rc == CLI_HELP_SHOWN ? CLI_EXIT_OK : rc;
-    PGconn *conn = connect_or_say("failed", g);
+    PGconn *conn = cli_pg_connect("failed", g, CLI_EXIT_FAIL, &rc);
     if (conn == NULL)
-        return CLI_EXIT_FAIL;
+        return rc;
     idem_error_t err = {0};
     json_t *list = NULL;
     rc = idem_failed_list(conn, &list, &err);
@@ -191,9 +181,9 @@ int cmd_replay(int argc, char **argv, cli_global_t *g)
             return cli_usage_error("replay", "--event-id: '%s' is not a UUID", event_id);
         event_id = id;
     }
-    PGconn *conn = connect_or_say("replay", g);
+    PGconn *conn = cli_pg_connect("replay", g, CLI_EXIT_FAIL, &rc);
     if (conn == NULL)
-        return CLI_EXIT_FAIL;
+        return rc;
     idem_error_t err = {0};
     int n = 0;
     rc = idem_replay(conn, event_id, window_ms, &n, &err);
@@ -238,9 +228,9 @@ int cmd_retain(int argc, char **argv, cli_global_t *g)
     idem_error_t err = {0};
     if (idem_retain_check(&cfg, &err) != IDEM_OK)
         return fail("retain", &err, CLI_EXIT_USAGE);
-    PGconn *conn = connect_or_say("retain", g);
+    PGconn *conn = cli_pg_connect("retain", g, CLI_EXIT_FAIL, &rc);
     if (conn == NULL)
-        return CLI_EXIT_FAIL;
+        return rc;
     cli_install_signals();
     cfg.stop = &cli_stop;
     idem_retain_result_t res;
