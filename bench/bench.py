@@ -257,9 +257,9 @@ def truncate(*tables):
     """Empties tables; with event_outbox also the record of emitted ids (idem_emitted_keys, when
     the schema has it), so that a run name used before (servers kept with --external) emits
     afresh instead of collapsing as a replay."""
-    if ("event_outbox" in tables and "idem_emitted_keys" not in tables
-            and one("SELECT to_regclass('idem_emitted_keys') IS NOT NULL")):
-        tables = tables + ("idem_emitted_keys",)
+    if ("idem.event_outbox" in tables and "idem.idem_emitted_keys" not in tables
+            and one("SELECT to_regclass('idem.idem_emitted_keys') IS NOT NULL")):
+        tables = tables + ("idem.idem_emitted_keys",)
     q("TRUNCATE " + ", ".join(tables))
 
 
@@ -278,7 +278,7 @@ def commit_rate(table, where, args=None):
 
 
 EMIT_BACKLOG_SQL = """
-    SELECT count(idem_emit('payment.failed', s, %(run)s || '-' || i,
+    SELECT count(idem.idem_emit('payment.failed', s, %(run)s || '-' || i,
                jsonb_build_object('invoice_id', gen_random_uuid(), 'subscription_id', s,
                                   'amount_cents', 4999, 'currency', 'EUR',
                                   'reason', 'card_declined', 'bench_run', %(run)s)))
@@ -313,14 +313,14 @@ def emit_backlog(n, run, checkpoint=True):
         x.join()
     if errors:
         raise Failure(f"emitting the backlog: {errors[0]}")
-    q("ANALYZE event_outbox")
+    q("ANALYZE idem.event_outbox")
     if checkpoint:
         q("CHECKPOINT")
     log(f"emitted {n} pending events ({run}) in {time.monotonic() - t:.1f}s")
 
 
 def pending_left():
-    return one("SELECT EXISTS (SELECT 1 FROM event_outbox WHERE status = 'pending')")
+    return one("SELECT EXISTS (SELECT 1 FROM idem.event_outbox WHERE status = 'pending')")
 
 
 def wait_for(pred, timeout, what, procs=(), interval=0.1):
@@ -401,13 +401,13 @@ def consumer_cmd():
 
 def migrate():
     if have_idem():
-        r = H.run_idem("migrate", pg_url=SERVERS.pg_url, amqp_url=SERVERS.amqp_url, env={})
+        r = H.run_idem("migrate", "--billing", pg_url=SERVERS.pg_url, amqp_url=SERVERS.amqp_url, env={})
         if r.returncode != 0:
             raise Failure("idem migrate failed: " + (r.stdout + r.stderr)[-500:])
         return
     note(f"{A.idem} not found: applied sql/*.sql with psycopg2 so that the limits and the "
          "recipe still run; idem's own figures are n/a")
-    if one("SELECT to_regclass('event_outbox') IS NOT NULL"):
+    if one("SELECT to_regclass('idem.event_outbox') IS NOT NULL"):
         return
     for f in sorted(os.listdir(os.path.join(ROOT, "sql"))):
         if f.endswith(".sql"):
@@ -466,7 +466,7 @@ def phase_relay():
         if not have_idem():
             continue
         for k in A.relays:
-            truncate("event_outbox")
+            truncate("idem.event_outbox")
             emit_backlog(n, f"relay{k}-r{r}")
             q_purge("bench.sink")
             procs = [spawn(relay_cmd(), f"relay{k}") for _ in range(k)]
@@ -480,7 +480,7 @@ def phase_relay():
             rcs = [stop(p) for p in procs]
             if any(rc != 0 for rc in rcs):
                 check(f"relay exit codes after SIGTERM: {rcs}")
-            rate, rows, span = commit_rate("event_outbox", "status = 'sent'")
+            rate, rows, span = commit_rate("idem.event_outbox", "status = 'sent'")
             sample(f"relay.{k}", rate)
             depth = q_depth("bench.sink")["messages"]
             if rows != n or depth != n:
@@ -489,11 +489,11 @@ def phase_relay():
             log(f"round {r + 1}: {k} relay(s) {rate:.0f} msg/s (commit timestamps; wall "
                 f"{n / wall:.0f}/s incl. start-up)")
     # the recipe: --rounds time-capped runs draining the head of one backlog of n rows
-    truncate("event_outbox")
+    truncate("idem.event_outbox")
     emit_backlog(n, "recipe-relay")
-    q("CREATE INDEX bench_recipe_idx_outbox_pending ON event_outbox (created_at) "
+    q("CREATE INDEX bench_recipe_idx_outbox_pending ON idem.event_outbox (created_at) "
       "WHERE status = 'pending'")  # the recipe's own index (its step 1)
-    q("ANALYZE event_outbox")
+    q("ANALYZE idem.event_outbox")
     try:
         for r in range(A.rounds):
             q_purge("bench.sink")
@@ -501,13 +501,13 @@ def phase_relay():
             out = run_json([PY, os.path.join(HERE, "recipe.py"), "relay", "--seconds",
                             str(A.recipe_seconds), "--batch", str(A.batch), "--drain"],
                            A.recipe_seconds + 120, "recipe.py relay")
-            rate, rows, span = commit_rate("event_outbox", "status = 'sent' AND sent_at >= %s",
+            rate, rows, span = commit_rate("idem.event_outbox", "status = 'sent' AND sent_at >= %s",
                                            (since,))
             sample("recipe_relay", rate)
             log(f"round {r + 1}: recipe relay {rate:.0f} msg/s over {rows} rows ({out})")
     finally:
         q("DROP INDEX IF EXISTS bench_recipe_idx_outbox_pending")
-    truncate("event_outbox")
+    truncate("idem.event_outbox")
     q_delete("bench.sink")
 
 
@@ -515,7 +515,7 @@ def phase_relay():
 
 
 def consumed(consumer):
-    return one("SELECT count(*) FROM consumed_events WHERE consumer = %s", (consumer,))
+    return one("SELECT count(*) FROM idem.consumed_events WHERE consumer = %s", (consumer,))
 
 
 def phase_consumer():
@@ -534,18 +534,18 @@ def phase_consumer():
         sample("raw_consume", raw["rate"])
         log(f"round {r + 1}: raw consume+ack {raw['rate']:.0f} msg/s")
         # database limit
-        truncate("consumed_events", "dunning")
+        truncate("idem.consumed_events", "billing.dunning")
         q("CHECKPOINT")
         out = run_json([PY, os.path.join(HERE, "loadgen.py"), "dblimit", "--events", str(n),
                         "--per-tx", "100", "--consumer", "bench-db",
                         "--subscriptions", str(A.subscriptions)], 600, "loadgen.py dblimit")
-        rate, rows, span = commit_rate("consumed_events", "consumer = 'bench-db'")
+        rate, rows, span = commit_rate("idem.consumed_events", "consumer = 'bench-db'")
         sample("db_limit", rate)
         log(f"round {r + 1}: set-based SQL limit {rate:.0f} events/s ({out['wall_rate']:.0f}/s "
             "wall)")
         # idem
         if have_idem():
-            truncate("consumed_events", "dunning")
+            truncate("idem.consumed_events", "billing.dunning")
             q_purge("bench.consumer")
             fill_queue("bench.consumer", n)
             q("CHECKPOINT")
@@ -558,9 +558,9 @@ def phase_consumer():
             rc = stop(p)
             if rc != 0:
                 check(f"idem consume exit code after SIGTERM: {rc}")
-            rate, rows, span = commit_rate("consumed_events", "consumer = 'bench'")
+            rate, rows, span = commit_rate("idem.consumed_events", "consumer = 'bench'")
             sample("consumer", rate)
-            steps = one("SELECT coalesce(sum(step), 0) FROM dunning")
+            steps = one("SELECT coalesce(sum(step), 0) FROM billing.dunning")
             dlq = q_depth("bench.consumer.dlq")["messages"]
             left = q_depth("bench.consumer")["messages"]
             if rows != n or steps != n or dlq > 0 or left > 0:
@@ -569,7 +569,7 @@ def phase_consumer():
             log(f"round {r + 1}: idem consume {rate:.0f} events/s (commit timestamps)")
     q_delete("bench.raw")
     # the recipe consumer: --rounds time-capped runs on one full queue
-    truncate("consumed_events", "dunning")
+    truncate("idem.consumed_events", "billing.dunning")
     q_delete("bench.recipe")
     declare_queue("bench.recipe", "bench.recipe")
     fill_queue("bench.recipe", A.recipe_fill)
@@ -579,12 +579,12 @@ def phase_consumer():
         out = run_json([PY, os.path.join(HERE, "recipe.py"), "consume", "--queue",
                         "bench.recipe", "--seconds", str(A.recipe_seconds), "--consumer",
                         "recipe"], A.recipe_seconds + 120, "recipe.py consume")
-        rate, rows, span = commit_rate("consumed_events",
+        rate, rows, span = commit_rate("idem.consumed_events",
                                        "consumer = 'recipe' AND consumed_at >= %s", (since,))
         sample("recipe_consumer", rate)
         log(f"round {r + 1}: recipe consumer {rate:.0f} events/s over {rows} events ({out})")
     q_delete("bench.recipe")
-    truncate("consumed_events", "dunning")
+    truncate("idem.consumed_events", "billing.dunning")
 
 
 # ---------------------------------------------------------------------------- phase: latency
@@ -597,8 +597,8 @@ SELECT count(*), count(c.event_id),
        percentile_cont(0.5) WITHIN GROUP (ORDER BY l.relay_ms),
        percentile_cont(0.99) WITHIN GROUP (ORDER BY l.relay_ms), max(l.relay_ms),
        count(DISTINCT o.xmin::text), count(DISTINCT c.xmin::text)
-  FROM event_outbox o
-  LEFT JOIN consumed_events c ON c.event_id = o.event_id AND c.consumer = 'bench'
+  FROM idem.event_outbox o
+  LEFT JOIN idem.consumed_events c ON c.event_id = o.event_id AND c.consumer = 'bench'
   CROSS JOIN LATERAL (
       SELECT extract(epoch FROM pg_xact_commit_timestamp(c.xmin) - o.created_at) * 1000 AS ms,
              extract(epoch FROM pg_xact_commit_timestamp(o.xmin) - o.created_at) * 1000
@@ -608,8 +608,8 @@ SELECT count(*), count(c.event_id),
 
 
 def run_consumed(run):
-    return q("SELECT count(o.*), count(c.event_id) FROM event_outbox o LEFT JOIN "
-             "consumed_events c ON c.event_id = o.event_id AND c.consumer = 'bench' "
+    return q("SELECT count(o.*), count(c.event_id) FROM idem.event_outbox o LEFT JOIN "
+             "idem.consumed_events c ON c.event_id = o.event_id AND c.consumer = 'bench' "
              "WHERE o.payload ->> 'bench_run' = %s", (run,))[0]
 
 
@@ -640,7 +640,7 @@ def phase_latency():
         return
     for qn in ("bench.sink", "bench.raw", "bench.recipe"):
         q_delete(qn)
-    truncate("event_outbox", "consumed_events", "dunning")
+    truncate("idem.event_outbox", "idem.consumed_events", "billing.dunning")
     q("CHECKPOINT")
     relay = spawn(relay_cmd(), "relay-daemon")
     cons = spawn(consumer_cmd(), "consumer-daemon")
@@ -716,12 +716,12 @@ def bulk_load_sent(n):
     transaction (the same definitions, read from the catalog)."""
     t = time.monotonic()
     cons = q("SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint "
-             "WHERE conrelid = 'event_outbox'::regclass AND contype IN ('p', 'u')")
-    idx = q("SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'public' AND "
+             "WHERE conrelid = 'idem.event_outbox'::regclass AND contype IN ('p', 'u')")
+    idx = q("SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'idem' AND "
             "tablename = 'event_outbox' AND indexname NOT IN (SELECT conname FROM "
-            "pg_constraint WHERE conrelid = 'event_outbox'::regclass)")
+            "pg_constraint WHERE conrelid = 'idem.event_outbox'::regclass)")
     insert = """
-        INSERT INTO event_outbox (event_id, subscription_id, event_type, payload, status,
+        INSERT INTO idem.event_outbox (event_id, subscription_id, event_type, payload, status,
                                   attempts, created_at, next_attempt_at, sent_at)
         SELECT md5('sent-' || i)::uuid, s, 'payment.failed',
                jsonb_set(p.j, '{subscription_id}', to_jsonb(s)), 'sent', 1,
@@ -738,12 +738,12 @@ def bulk_load_sent(n):
         with DB.connect(autocommit=False) as conn, conn.cursor() as cur:
             cur.execute("SET LOCAL maintenance_work_mem = '256MB'")
             for name, _ in cons:
-                cur.execute(f'ALTER TABLE event_outbox DROP CONSTRAINT "{name}"')
+                cur.execute(f'ALTER TABLE idem.event_outbox DROP CONSTRAINT "{name}"')
             for name, _ in idx:
                 cur.execute(f'DROP INDEX "{name}"')
             cur.execute(insert, args)
             for name, d in cons:
-                cur.execute(f'ALTER TABLE event_outbox ADD CONSTRAINT "{name}" {d}')
+                cur.execute(f'ALTER TABLE idem.event_outbox ADD CONSTRAINT "{name}" {d}')
             for name, d in idx:
                 cur.execute(d)
             conn.commit()
@@ -751,7 +751,7 @@ def bulk_load_sent(n):
         # DB.connect rolled the transaction back
         note(f"fast bulk load failed ({str(e).strip()}); inserting with the indexes in place")
         q(insert, args)
-    q("VACUUM ANALYZE event_outbox")
+    q("VACUUM ANALYZE idem.event_outbox")
     q("CHECKPOINT")
     log(f"loaded {n} sent rows in {time.monotonic() - t:.1f}s")
 
@@ -852,9 +852,9 @@ def phase_claim():
     q("SELECT pg_reload_conf()")
     time.sleep(0.2)
     try:
-        truncate("event_outbox")
+        truncate("idem.event_outbox")
         RES["claim_base"] = claim_rounds(f"{A.claim_pending} pending, no sent rows", "claim-base")
-        truncate("event_outbox")
+        truncate("idem.event_outbox")
         bulk_load_sent(A.claim_sent)
         RES["claim_full"] = claim_rounds(f"{A.claim_pending} pending, {A.claim_sent} sent rows",
                                          "claim-full")
@@ -863,7 +863,7 @@ def phase_claim():
         q("ALTER SYSTEM SET pg_stat_statements.track_planning = off")
         q("SELECT pg_reload_conf()")
         q_delete("bench.sink")
-        truncate("event_outbox")
+        truncate("idem.event_outbox")
 
 
 # ---------------------------------------------------------------------------- report

@@ -27,7 +27,7 @@
 #include <libpq-fe.h>
 
 static const char *SQL =
-    "SELECT idem_emit('payment.failed', x.s, $2::text || '-' || $1::bigint,"
+    "SELECT idem.idem_emit('payment.failed', x.s, $2::text || '-' || $1::bigint,"
     " jsonb_build_object('invoice_id', gen_random_uuid(), 'subscription_id', x.s,"
     " 'amount_cents', 4999, 'currency', 'EUR', 'reason', 'card_declined', 'bench_run', $2::text))"
     " FROM (SELECT md5('bench-sub-' || ($1::bigint % $3::int))::uuid AS s) x";

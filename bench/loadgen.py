@@ -29,7 +29,7 @@ DBLIMIT_SQL = """
 WITH ev AS (
     SELECT * FROM unnest(%s::uuid[], %s::uuid[]) AS e(event_id, subscription_id)
 ), claimed AS (
-    INSERT INTO consumed_events (consumer, event_id)
+    INSERT INTO idem.consumed_events (consumer, event_id)
     SELECT %s, event_id FROM ev
     ON CONFLICT DO NOTHING
     RETURNING event_id
@@ -38,7 +38,7 @@ WITH ev AS (
       FROM claimed JOIN ev USING (event_id)
      GROUP BY ev.subscription_id
 )
-INSERT INTO dunning (subscription_id, step, last_event_id)
+INSERT INTO billing.dunning (subscription_id, step, last_event_id)
 SELECT subscription_id, n, last_event_id FROM per_sub
 ON CONFLICT (subscription_id) DO UPDATE
    SET step = dunning.step + EXCLUDED.step, updated_at = now(),
@@ -80,7 +80,7 @@ def dblimit(events, per_tx=100, consumer="bench-db", nsubs=500):
             "wall_rate": round(events / secs, 1) if secs > 0 else 0.0}
 
 
-EMIT_SQL = "SELECT idem_emit('payment.failed', %s::uuid, %s, %s::jsonb)"
+EMIT_SQL = "SELECT idem.idem_emit('payment.failed', %s::uuid, %s, %s::jsonb)"
 
 
 def emit_rate(rate, seconds, run, conns=4):

@@ -21,7 +21,7 @@ synchronously (with publisher confirms, for a fair comparison: pika's BlockingCh
 mode waits for each message's confirm), and UPDATEs each row sent right after its publish, with
 the recipe's attempts/failed handling; sleeps POLL_INTERVAL = 0.2 s when nothing is pending.
 The recipe's partial index on created_at is created by the benchmark for this run. Consumer -
-one transaction per message: INSERT INTO consumed_events ... ON CONFLICT DO NOTHING RETURNING;
+one transaction per message: INSERT INTO idem.consumed_events ... ON CONFLICT DO NOTHING RETURNING;
 if claimed, advance dunning (step + 1 for the subscription); commit; then ack the message.
 
 Translation to RabbitMQ (the recipe is written against a Kafka-like broker): the topic is the
@@ -118,7 +118,7 @@ def relay_tick(db, broker):
             txn.execute(
                 f"""
                 SELECT outbox_id, event_id, subscription_id, event_type, payload, attempts
-                  FROM event_outbox
+                  FROM idem.event_outbox
                  WHERE status = 'pending'
                  ORDER BY created_at
                  LIMIT {BATCH}
@@ -135,21 +135,21 @@ def relay_tick(db, broker):
                         headers={"event_id": str(event_id)},
                     )
                     txn.execute(
-                        "UPDATE event_outbox SET status='sent', sent_at=now() "
+                        "UPDATE idem.event_outbox SET status='sent', sent_at=now() "
                         "WHERE outbox_id=%s",
                         (outbox_id,),
                     )
                 except BrokerError:
                     if attempts + 1 >= MAX_ATTEMPTS:
                         txn.execute(
-                            "UPDATE event_outbox SET status='failed', "
+                            "UPDATE idem.event_outbox SET status='failed', "
                             "attempts=attempts+1 WHERE outbox_id=%s",
                             (outbox_id,),
                         )
                         alert_operator(event_id)
                     else:
                         txn.execute(
-                            "UPDATE event_outbox SET attempts=attempts+1 WHERE outbox_id=%s",
+                            "UPDATE idem.event_outbox SET attempts=attempts+1 WHERE outbox_id=%s",
                             (outbox_id,),
                         )
             return len(rows)
@@ -183,7 +183,7 @@ def cmd_relay(args):
 
 def advance_dunning(subscription_id, event_id, txn):
     txn.execute(
-        "INSERT INTO dunning (subscription_id, step, last_event_id) VALUES (%s, 1, %s) "
+        "INSERT INTO billing.dunning (subscription_id, step, last_event_id) VALUES (%s, 1, %s) "
         "ON CONFLICT (subscription_id) DO UPDATE "
         "SET step = dunning.step + 1, updated_at = now(), last_event_id = EXCLUDED.last_event_id",
         (subscription_id, event_id),
@@ -194,7 +194,7 @@ def on_payment_failed(consumer, event_id, payload, db):
     with db:  # one transaction per message
         with db.cursor() as txn:
             txn.execute(
-                "INSERT INTO consumed_events (consumer, event_id, consumed_at) "
+                "INSERT INTO idem.consumed_events (consumer, event_id, consumed_at) "
                 "VALUES (%s, %s, now()) ON CONFLICT DO NOTHING RETURNING event_id",
                 (consumer, event_id),
             )

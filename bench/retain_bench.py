@@ -7,7 +7,7 @@ consumer-like transactions wait meanwhile.
 Starts private durable servers (scripts/services.sh start DIR --durable; fsync on, like
 production), migrates, builds a ledger of N rows (default 1,000,000) older than the 30d dedup
 window plus --recent rows inside it, then runs `build/idem retain` while a loop of consumer-like
-transactions (INSERT INTO consumed_events ... ON CONFLICT DO NOTHING; COMMIT) runs beside it and
+transactions (INSERT INTO idem.consumed_events ... ON CONFLICT DO NOTHING; COMMIT) runs beside it and
 times each. Half of those inserts hit keys of old rows the retention is deleting (a late
 redelivery), so they can meet a row lock of a DELETE batch. Prints rows deleted per second and
 the longest time one concurrent transaction took, against a baseline measured before the run.
@@ -61,12 +61,12 @@ class Loop(threading.Thread):
                 if rnd.random() < 0.5:
                     # a late redelivery of an old event: its ledger row may be in a DELETE batch
                     g = rnd.randint(1, self.old_rows)
-                    sql = ("INSERT INTO consumed_events (consumer, event_id) "
+                    sql = ("INSERT INTO idem.consumed_events (consumer, event_id) "
                            "VALUES ('bench-' || (%s %% 4), md5(%s::text)::uuid) "
                            "ON CONFLICT DO NOTHING")
                     args = (g, g)
                 else:
-                    sql = ("INSERT INTO consumed_events (consumer, event_id) "
+                    sql = ("INSERT INTO idem.consumed_events (consumer, event_id) "
                            "VALUES ('bench-live', gen_random_uuid()) ON CONFLICT DO NOTHING")
                     args = None
                 t0 = time.monotonic()
@@ -133,24 +133,24 @@ def main():
 def run(args, env):
     dsn = env["IDEM_PG_URL"]
     cenv = dict(os.environ, IDEM_PG_URL=dsn, IDEM_AMQP_URL=env["IDEM_AMQP_URL"])
-    subprocess.run([IDEM, "migrate", "--sql-dir", os.path.join(ROOT, "sql")], env=cenv, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([IDEM, "migrate", "--billing", "--sql-dir", os.path.join(ROOT, "sql")], env=cenv, check=True, stdout=subprocess.DEVNULL)
 
     conn = psycopg2.connect(dsn)
     conn.autocommit = True
     cur = conn.cursor()
     cur.execute("SHOW fsync")
     fsync = cur.fetchone()[0]
-    cur.execute("TRUNCATE consumed_events")
+    cur.execute("TRUNCATE idem.consumed_events")
     t0 = time.monotonic()
     # old rows: 40 days and more, one second apart; keys md5(g) so the loop can hit them
-    cur.execute("INSERT INTO consumed_events (consumer, event_id, consumed_at) "
+    cur.execute("INSERT INTO idem.consumed_events (consumer, event_id, consumed_at) "
                 "SELECT 'bench-' || (g %% 4), md5(g::text)::uuid, "
                 "now() - interval '40 days' - g * interval '1 second' "
                 "FROM generate_series(1, %s) g", (args.rows,))
-    cur.execute("INSERT INTO consumed_events (consumer, event_id, consumed_at) "
+    cur.execute("INSERT INTO idem.consumed_events (consumer, event_id, consumed_at) "
                 "SELECT 'bench-recent', gen_random_uuid(), now() - g * interval '1 second' "
                 "FROM generate_series(1, %s) g", (args.recent,))
-    cur.execute("VACUUM ANALYZE consumed_events")
+    cur.execute("VACUUM ANALYZE idem.consumed_events")
     print(f"retain_bench: built {args.rows} old + {args.recent} recent ledger rows in "
           f"{time.monotonic() - t0:.1f} s (fsync={fsync})", flush=True)
 
@@ -171,7 +171,7 @@ def run(args, env):
     deleted, batches = int(m.group(1)), int(m.group(2))
 
     cur.execute("SELECT count(*) FILTER (WHERE consumed_at < now() - interval '30 days'), "
-                "count(*) FILTER (WHERE consumer = 'bench-recent') FROM consumed_events")
+                "count(*) FILTER (WHERE consumer = 'bench-recent') FROM idem.consumed_events")
     old_left, recent_left = cur.fetchone()
     conn.close()
 

@@ -51,7 +51,7 @@ PHASES = ("scale-consumer", "scale-cluster")
 GROUP_CONSUMER = "scale"  # the ledger name of every group (its rows are removed between drains)
 SINK = "bench.sink"
 EMIT_MIXED_SQL = """
-    SELECT count(idem_emit(CASE WHEN (i / %(nsubs)s) %% 5 = 2 THEN 'invoice.paid'
+    SELECT count(idem.idem_emit(CASE WHEN (i / %(nsubs)s) %% 5 = 2 THEN 'invoice.paid'
                                 ELSE 'payment.failed' END,
                            s, %(run)s || '-' || i,
                            jsonb_build_object('invoice_id', gen_random_uuid(),
@@ -71,7 +71,7 @@ EXPECT_SQL = """
       FROM (SELECT subscription_id, event_type, seq,
                    max(seq) FILTER (WHERE event_type = 'invoice.paid')
                        OVER (PARTITION BY subscription_id) AS last_paid
-              FROM event_outbox WHERE payload ->> 'bench_run' = %s) e
+              FROM idem.event_outbox WHERE payload ->> 'bench_run' = %s) e
      GROUP BY subscription_id"""
 
 
@@ -427,15 +427,15 @@ def _emit_mixed(B, n, run):
         x.join()
     if errors:
         raise B.Failure(f"emitting the billing backlog: {errors[0]}")
-    B.q("ANALYZE event_outbox")
+    B.q("ANALYZE idem.event_outbox")
     B.log(f"emitted {n} billing events ({run}) in {time.monotonic() - t:.1f}s")
 
 
 def _reset_state(B):
     """The database as before a drain: no ledger rows, no billing effects, no outbox rows or
     emitted keys (invoice.paid emits receipt.requested: each drain emits them anew)."""
-    B.truncate("consumed_events", "dunning", "revenue_entries", "receipts", "event_outbox",
-               "idem_emitted_keys")
+    B.truncate("idem.consumed_events", "billing.dunning", "billing.revenue_entries",
+               "billing.receipts", "idem.event_outbox", "idem.idem_emitted_keys")
     B.q("CHECKPOINT")
 
 
@@ -453,7 +453,7 @@ def _drain(B, p, n, paid, r):
     procs = [d for d, _ in spawned]
     meter = Meter(B, procs, pg_pids(B.SERVERS.svc_dir), rmq_pids(B.SERVERS.svc_dir), n).start()
     try:
-        B.wait_for(lambda: B.one("SELECT count(*) FROM consumed_events WHERE consumer = %s",
+        B.wait_for(lambda: B.one("SELECT count(*) FROM idem.consumed_events WHERE consumer = %s",
                                  (GROUP_CONSUMER,)) >= n,
                    max(120, n / 200), f"group P={p} draining", procs, 0.05)
         m = meter.stop()
@@ -464,12 +464,12 @@ def _drain(B, p, n, paid, r):
         B.check(f"scale round {r + 1}, P={p}: exit codes after SIGTERM {rcs}")
     m.update(meter.wal())
     m["per_process"] = [_consumer_batches(_log_lines(d, off), m["wall_s"]) for d, off in spawned]
-    rate, rows, span = B.commit_rate("consumed_events", "consumer = %s", (GROUP_CONSUMER,))
-    txs = B.one("SELECT count(DISTINCT xmin::text) FROM consumed_events WHERE consumer = %s",
+    rate, rows, span = B.commit_rate("idem.consumed_events", "consumer = %s", (GROUP_CONSUMER,))
+    txs = B.one("SELECT count(DISTINCT xmin::text) FROM idem.consumed_events WHERE consumer = %s",
                 (GROUP_CONSUMER,))
-    wrong = B.one("SELECT count(*) FROM bench_scale_expect x LEFT JOIN dunning d "
+    wrong = B.one("SELECT count(*) FROM bench_scale_expect x LEFT JOIN billing.dunning d "
                   "USING (subscription_id) WHERE d.step IS DISTINCT FROM x.step")
-    revenue = B.one("SELECT count(*) FROM revenue_entries")
+    revenue = B.one("SELECT count(*) FROM billing.revenue_entries")
     queues = [f"bench.group{p}"] if p == 1 else [f"bench.group{p}.p{i}" for i in range(p)]
     infos = B.BROKER.queue_infos(queues + [f"bench.group{p}.dlq"])
     left = sum(infos[x][0] for x in queues if infos[x])
@@ -636,7 +636,7 @@ class Cluster:
 
 
 def _relay_drain(B, label, amqp, broker, rmq_roots, idle_roots, n, r):
-    B.truncate("event_outbox")
+    B.truncate("idem.event_outbox")
     B.emit_backlog(n, f"scale-{label}-r{r}")
     broker.purge_queue(SINK)
     relay, offset = _spawn_logged(B, B.relay_cmd() + ["--amqp", amqp] + DEBUG_JSON,
@@ -656,7 +656,7 @@ def _relay_drain(B, label, amqp, broker, rmq_roots, idle_roots, n, r):
     m["batch"] = _relay_batches(lines)
     server = [o.get("server") for o in lines
               if o.get("msg", "").startswith("connected to RabbitMQ")]
-    rate, rows, span = B.commit_rate("event_outbox", "status = 'sent'")
+    rate, rows, span = B.commit_rate("idem.event_outbox", "status = 'sent'")
     info = broker.queue_info(SINK)
     depth = info[0] if info else -1
     if rows != n or depth != n:
@@ -710,7 +710,7 @@ def phase_cluster(B):
     finally:
         cl.stop()
         B.q_delete(SINK)
-        B.truncate("event_outbox")
+        B.truncate("idem.event_outbox")
     med = {k: _median_meter([d for d in res["cluster"]["drains"] if d["broker"] == k])
            for k in ("single", "cluster")}
     res["cluster"]["median"] = med

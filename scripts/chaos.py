@@ -228,7 +228,8 @@ class Run(Daemons, Reporting):
                  f"(up in {time.monotonic() - t:.1f} s)")
 
     def prepare_db(self, plan):
-        r = H.run_idem("migrate", pg_url=self.servers.pg_url, amqp_url=self.servers.amqp_url)
+        r = H.run_idem("migrate", "--billing", pg_url=self.servers.pg_url,
+                       amqp_url=self.servers.amqp_url)
         with open(os.path.join(self.logs, "migrate.log"), "w") as f:
             f.write(r.stdout + r.stderr)
         if r.returncode != 0:

@@ -74,16 +74,16 @@ CONSUMER_METRICS = {"applied": "idem_consumer_applied_total",
 RECOV_LEFT_SQL = f"""(SELECT count(*) FROM (SELECT DISTINCT o.invoice_id, o.attempt_no
               FROM demo.ops o JOIN invoices i USING (invoice_id) JOIN demo.subs s
               USING (subscription_id) WHERE s.story = 'recovering' AND o.kind = 'fail') f
-             WHERE NOT EXISTS (SELECT 1 FROM consumed_events c WHERE c.consumer = '{CONSUMER}'
+             WHERE NOT EXISTS (SELECT 1 FROM idem.consumed_events c WHERE c.consumer = '{CONSUMER}'
                AND c.event_id = md5(f.invoice_id || ':failed:' || f.attempt_no)::uuid))"""
 STATS_SQL = """
     SELECT (SELECT coalesce(sum(ops), 0) FROM demo.progress),
            count(*) FILTER (WHERE status = 'pending'), count(*) FILTER (WHERE status = 'sent'),
            count(*) FILTER (WHERE status = 'failed'), count(*),
            count(*) FILTER (WHERE event_type IN ('invoice.paid', 'payment.failed')),
-           (SELECT count(*) FROM consumed_events WHERE consumer = %s),
+           (SELECT count(*) FROM idem.consumed_events WHERE consumer = %s),
            {recov}
-    FROM event_outbox"""
+    FROM idem.event_outbox"""
 STAT_KEYS = ("emitted", "pending", "sent", "failed", "total", "business", "consumed",
              "recov_left")
 
@@ -317,14 +317,15 @@ end every effect is checked against the business plan.
     def prepare(self):
         o = self.o
         o.step("[2/5] Creating the schemas and the workload")
-        r = H.run_idem("migrate", pg_url=self.servers.pg_url, amqp_url=self.servers.amqp_url)
+        r = H.run_idem("migrate", "--billing", pg_url=self.servers.pg_url,
+                       amqp_url=self.servers.amqp_url)
         with open(os.path.join(self.logs, "migrate.log"), "w") as f:
             f.write(r.stdout + r.stderr)
         if r.returncode != 0:
             self.die(f"idem migrate failed; see {self.logs}/migrate.log")
         applied = sum(1 for ln in r.stdout.splitlines() if ln.startswith("applied"))
-        o.say(f"      idem migrate: {applied} migrations applied (event_outbox, consumed_events, "
-              "billing tables)")
+        o.say(f"      idem migrate --billing: {applied} migrations applied (schema idem: "
+              "event_outbox, consumed_events, ...; schema billing: the handlers' tables)")
         self.psql("-f", os.path.join(DEMO, "schema.sql"))
         self.psql("-o", "/dev/null", "-v", f"dunning_subs={DUNNING_SUBS}",
                   "-v", f"paying_subs={PAYING_SUBS}", "-v", f"recovering_subs={RECOVERING_SUBS}",
@@ -352,7 +353,7 @@ end every effect is checked against the business plan.
                 f"{d}  BEGIN;",
                 "  UPDATE invoices SET status = 'paid', paid_at = now()",
                 "    WHERE invoice_id = $1 AND status <> 'paid';",
-                "  SELECT idem_emit('invoice.paid', subscription_id, invoice_id || ':paid', "
+                "  SELECT idem.idem_emit('invoice.paid', subscription_id, invoice_id || ':paid', "
                 "payload)",
                 "    FROM invoice_events WHERE invoice_id = $1;",
                 f"  COMMIT;{r_}",
@@ -596,7 +597,7 @@ end every effect is checked against the business plan.
         e_pf, e_ip, e_rr = self.db.query("""
             SELECT count(*) FILTER (WHERE event_type = 'payment.failed'),
                    count(*) FILTER (WHERE event_type = 'invoice.paid'),
-                   count(*) FILTER (WHERE event_type = 'receipt.requested') FROM event_outbox""")[0]
+                   count(*) FILTER (WHERE event_type = 'receipt.requested') FROM idem.event_outbox""")[0]
         lines = self.psql("-A", "-t", "-F", "\t", "-v", f"consumer={CONSUMER}", "-f",
                           os.path.join(DEMO, "audit.sql"), log="audit.log")
         checks = []

@@ -16,11 +16,11 @@ PSQL=(/usr/lib/postgresql/15/bin/psql -X -q -v ON_ERROR_STOP=1 "$IDEM_PG_URL")
 VG=(valgrind --error-exitcode=99 --leak-check=full --show-leak-kinds=definite,indirect
   --errors-for-leak-kinds=definite,indirect --track-fds=no)
 
-"$IDEM" migrate >/dev/null
+"$IDEM" migrate --billing >/dev/null
 "$IDEM" consume --help >/dev/null
 echo "valgrind: emitting $EVENTS events" >&2
 "${PSQL[@]}" -c "
-  SELECT idem_emit(CASE WHEN g % 3 = 0 THEN 'invoice.paid' ELSE 'payment.failed' END,
+  SELECT idem.idem_emit(CASE WHEN g % 3 = 0 THEN 'invoice.paid' ELSE 'payment.failed' END,
                    md5('sub' || (g % 200))::uuid, 'vg:' || g,
                    jsonb_build_object('invoice_id', md5('inv' || g)::uuid,
                                       'subscription_id', md5('sub' || (g % 200))::uuid,
@@ -34,7 +34,7 @@ RELAY=$!
 CONSUMER=$!
 want=$((EVENTS + EVENTS / 3)) # invoice.paid emits a receipt.requested
 for _ in $(seq 1 600); do
-  got=$("${PSQL[@]}" -Atc "SELECT count(*) FROM consumed_events WHERE consumer = 'vg'")
+  got=$("${PSQL[@]}" -Atc "SELECT count(*) FROM idem.consumed_events WHERE consumer = 'vg'")
   [ "$got" -ge "$want" ] && break
   sleep 1
 done
@@ -42,8 +42,8 @@ kill -TERM "$RELAY" "$CONSUMER"
 rc_r=0 rc_c=0
 wait "$RELAY" || rc_r=$?
 wait "$CONSUMER" || rc_c=$?
-got=$("${PSQL[@]}" -Atc "SELECT count(*) FROM consumed_events WHERE consumer = 'vg'")
-dups=$("${PSQL[@]}" -Atc "SELECT count(*) - count(DISTINCT event_id) FROM consumed_events")
+got=$("${PSQL[@]}" -Atc "SELECT count(*) FROM idem.consumed_events WHERE consumer = 'vg'")
+dups=$("${PSQL[@]}" -Atc "SELECT count(*) - count(DISTINCT event_id) FROM idem.consumed_events")
 for f in relay consume; do
   echo "--- $f: $(grep -E 'ERROR SUMMARY' "$OUT/$f.vg" | tail -1 | sed 's/==[0-9]*== //')"
   grep -E "definitely lost|indirectly lost|possibly lost|still reachable" "$OUT/$f.vg" | sed 's/==[0-9]*== /    /' || true

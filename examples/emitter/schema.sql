@@ -1,5 +1,5 @@
 -- The refund emitter's business table. Apply after `idem migrate` (which creates the outbox and
--- idem_emit): psql "$IDEM_PG_URL" -f schema.sql
+-- idem.idem_emit): psql "$IDEM_PG_URL" -f schema.sql
 
 -- One row per refund request; request_key is the caller's idempotency key, so a retried
 -- request finds its row instead of refunding twice.

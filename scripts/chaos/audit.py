@@ -24,19 +24,19 @@ def fetch_state(conn, consumer):
     st = {}
     with conn.cursor() as cur:
         cur.execute("SELECT event_id::text, event_type, subscription_id::text, status"
-                    " FROM event_outbox")
+                    " FROM idem.event_outbox")
         st["outbox"] = cur.fetchall()
-        cur.execute("SELECT consumer, event_id::text FROM consumed_events")
+        cur.execute("SELECT consumer, event_id::text FROM idem.consumed_events")
         st["ledger"] = cur.fetchall()
         cur.execute("SELECT subscription_id::text, event_id::text, app, xid::text, n"
                     " FROM chaos.effects ORDER BY n")
         st["effects"] = cur.fetchall()
-        cur.execute("SELECT subscription_id::text, step FROM dunning")
+        cur.execute("SELECT subscription_id::text, step FROM billing.dunning")
         st["dunning"] = dict(cur.fetchall())
         cur.execute("SELECT invoice_id::text, subscription_id::text, amount_cents, currency,"
-                    " event_id::text FROM revenue_entries")
+                    " event_id::text FROM billing.revenue_entries")
         st["revenue"] = cur.fetchall()
-        cur.execute("SELECT invoice_id::text, subscription_id::text, event_id::text FROM receipts")
+        cur.execute("SELECT invoice_id::text, subscription_id::text, event_id::text FROM billing.receipts")
         st["receipts"] = cur.fetchall()
     conn.commit()
     return st

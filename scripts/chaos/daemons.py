@@ -84,9 +84,9 @@ class Monitor(threading.Thread):
         with self.conn.cursor() as cur:
             cur.execute("SELECT count(*), count(*) FILTER (WHERE status = 'pending'),"
                         " count(*) FILTER (WHERE status = 'sent'),"
-                        " count(*) FILTER (WHERE status = 'failed') FROM event_outbox")
+                        " count(*) FILTER (WHERE status = 'failed') FROM idem.event_outbox")
             total, pending, sent, failed = cur.fetchone()
-            cur.execute("SELECT count(*) FROM consumed_events WHERE consumer = %s", (CONSUMER,))
+            cur.execute("SELECT count(*) FROM idem.consumed_events WHERE consumer = %s", (CONSUMER,))
             ledger = cur.fetchone()[0]
         return {"total": total, "pending": pending, "sent": sent, "failed": failed,
                 "ledger": ledger}

@@ -20,14 +20,14 @@ import psycopg2
 # event, committed together (tables from scripts/demo/schema.sql).
 PAY_SQL = """BEGIN;
 UPDATE invoices SET status = 'paid', paid_at = now() WHERE invoice_id = %(inv)s AND status <> 'paid';
-SELECT idem_emit('invoice.paid', subscription_id, invoice_id || ':paid', payload)
+SELECT idem.idem_emit('invoice.paid', subscription_id, invoice_id || ':paid', payload)
   FROM invoice_events WHERE invoice_id = %(inv)s;
 COMMIT;
 """
 FAIL_SQL = """BEGIN;
 UPDATE invoices SET status = 'failed', failed_attempts = GREATEST(failed_attempts, %(k)s)
   WHERE invoice_id = %(inv)s AND status <> 'paid';
-SELECT idem_emit('payment.failed', subscription_id, invoice_id || ':failed:' || %(k)s,
+SELECT idem.idem_emit('payment.failed', subscription_id, invoice_id || ':failed:' || %(k)s,
                  payload || jsonb_build_object('attempt_no', %(k)s))
   FROM invoice_events WHERE invoice_id = %(inv)s;
 COMMIT;

@@ -35,7 +35,7 @@ KINDS = {
                                 "then reset it"),
     "pg-cancel": ("db", "pg_cancel_backend on a busy idem connection"),
     "pg-terminate": ("db", "pg_terminate_backend on an idem connection"),
-    "lock-outbox": ("db", "LOCK TABLE event_outbox IN ACCESS EXCLUSIVE MODE for 7 s"),
+    "lock-outbox": ("db", "LOCK TABLE idem.event_outbox IN ACCESS EXCLUSIVE MODE for 7 s"),
     "sqlstate-25006": ("db", "idem's writes fail with SQLSTATE 25006 (read-only) for 2-4 s"),
     "sqlstate-53100": ("db", "idem's writes fail with SQLSTATE 53100 (disk full) for 2-4 s"),
 }
@@ -491,7 +491,7 @@ class Injector:
                 t0 = time.monotonic()
                 watch.start()
                 try:
-                    cur.execute("LOCK TABLE event_outbox IN ACCESS EXCLUSIVE MODE")
+                    cur.execute("LOCK TABLE idem.event_outbox IN ACCESS EXCLUSIVE MODE")
                 except psycopg2.Error:
                     f.detail = f"not granted in {LOCK_WAIT_S} s; blocked by " + (
                         "; ".join(b for b in blockers if b) or "?")

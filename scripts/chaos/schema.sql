@@ -30,13 +30,13 @@ BEGIN
 END
 $$;
 
-CREATE TRIGGER chaos_fault BEFORE INSERT OR UPDATE ON dunning
+CREATE TRIGGER chaos_fault BEFORE INSERT OR UPDATE ON billing.dunning
     FOR EACH ROW EXECUTE FUNCTION chaos.fail_if_switched_on();
-CREATE TRIGGER chaos_fault BEFORE INSERT OR UPDATE ON revenue_entries
+CREATE TRIGGER chaos_fault BEFORE INSERT OR UPDATE ON billing.revenue_entries
     FOR EACH ROW EXECUTE FUNCTION chaos.fail_if_switched_on();
-CREATE TRIGGER chaos_fault BEFORE INSERT OR UPDATE ON receipts
+CREATE TRIGGER chaos_fault BEFORE INSERT OR UPDATE ON billing.receipts
     FOR EACH ROW EXECUTE FUNCTION chaos.fail_if_switched_on();
-CREATE TRIGGER chaos_fault BEFORE UPDATE ON event_outbox
+CREATE TRIGGER chaos_fault BEFORE UPDATE ON idem.event_outbox
     FOR EACH ROW EXECUTE FUNCTION chaos.fail_if_switched_on();
 
 
@@ -67,7 +67,7 @@ BEGIN
 END
 $$;
 
-CREATE TRIGGER chaos_effect_dunning AFTER INSERT OR UPDATE ON dunning
+CREATE TRIGGER chaos_effect_dunning AFTER INSERT OR UPDATE ON billing.dunning
     FOR EACH ROW EXECUTE FUNCTION chaos.log_effect();
-CREATE TRIGGER chaos_effect_revenue AFTER INSERT ON revenue_entries
+CREATE TRIGGER chaos_effect_revenue AFTER INSERT ON billing.revenue_entries
     FOR EACH ROW EXECUTE FUNCTION chaos.log_effect();

@@ -13,14 +13,14 @@ ops AS (
 ),
 emits AS (  -- planned operations, and those without their outbox event
     SELECT count(*) AS planned,
-           count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM event_outbox o
+           count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM idem.event_outbox o
                                               WHERE o.event_id = p.event_id
                                                 AND o.event_type = p.event_type)) AS missing
     FROM planned p
 ),
 receipt_events AS (  -- paid invoices, and those without their receipt.requested event
     SELECT count(*) AS paid,
-           count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM event_outbox o
+           count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM idem.event_outbox o
                                               WHERE o.event_id = md5(e.invoice_id || ':receipt')::uuid
                                                 AND o.event_type = 'receipt.requested')) AS missing
     FROM demo.expected_paid e
@@ -32,23 +32,23 @@ outbox AS (
            count(*) FILTER (WHERE status = 'sent') AS sent,
            count(*) FILTER (WHERE status = 'pending') AS pending,
            count(*) FILTER (WHERE status = 'failed') AS failed,
-           count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM consumed_events c
+           count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM idem.consumed_events c
                                               WHERE c.consumer = :'consumer'
                                                 AND c.event_id = o.event_id)) AS unconsumed
-    FROM event_outbox o
+    FROM idem.event_outbox o
 ),
 ledger AS (
     SELECT count(*) AS rows,
-           count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM event_outbox o
+           count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM idem.event_outbox o
                                               WHERE o.event_id = c.event_id)) AS strays
-    FROM consumed_events c WHERE c.consumer = :'consumer'
+    FROM idem.consumed_events c WHERE c.consumer = :'consumer'
 ),
 dun AS (
     SELECT e.story, count(*) AS subs, sum(e.failures) AS failures,
            min(e.step) AS min_step, max(e.step) AS max_step,
            count(*) FILTER (WHERE d.step IS DISTINCT FROM e.step) AS mismatches,
            count(d.step) AS with_row
-    FROM demo.expected_dunning e LEFT JOIN dunning d USING (subscription_id)
+    FROM demo.expected_dunning e LEFT JOIN billing.dunning d USING (subscription_id)
     GROUP BY e.story
 ),
 paid AS (
@@ -57,17 +57,17 @@ paid AS (
            count(*) FILTER (WHERE r.n_receipts <> 1) AS bad_receipts
     FROM demo.expected_paid e
     CROSS JOIN LATERAL (
-        SELECT (SELECT count(*) FROM revenue_entries v WHERE v.invoice_id = e.invoice_id) AS n,
-               (SELECT count(*) FROM revenue_entries v WHERE v.invoice_id = e.invoice_id
+        SELECT (SELECT count(*) FROM billing.revenue_entries v WHERE v.invoice_id = e.invoice_id) AS n,
+               (SELECT count(*) FROM billing.revenue_entries v WHERE v.invoice_id = e.invoice_id
                   AND v.subscription_id = e.subscription_id AND v.amount_cents = e.amount_cents
                   AND v.currency = e.currency
                   AND v.event_id = md5(e.invoice_id || ':paid')::uuid) AS n_exact,
-               (SELECT count(*) FROM receipts c WHERE c.invoice_id = e.invoice_id) AS n_receipts
+               (SELECT count(*) FROM billing.receipts c WHERE c.invoice_id = e.invoice_id) AS n_receipts
     ) r
 ),
 totals AS (
-    SELECT (SELECT count(*) FROM revenue_entries) AS revenue_rows,
-           (SELECT count(*) FROM receipts) AS receipt_rows
+    SELECT (SELECT count(*) FROM billing.revenue_entries) AS revenue_rows,
+           (SELECT count(*) FROM billing.receipts) AS receipt_rows
 )
 SELECT 1, emits.missing = 0 AND outbox.business = emits.planned,
        'one outbox event per business operation (replays collapsed)',

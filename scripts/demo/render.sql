@@ -13,7 +13,7 @@ FROM (
            WHEN 'pay' THEN format(
 E'BEGIN;\n'
  'UPDATE invoices SET status = ''paid'', paid_at = now() WHERE invoice_id = ''%1$s'' AND status <> ''paid'';\n'
- 'SELECT idem_emit(''invoice.paid'', subscription_id, invoice_id || '':paid'', payload)'
+ 'SELECT idem.idem_emit(''invoice.paid'', subscription_id, invoice_id || '':paid'', payload)'
  ' FROM invoice_events WHERE invoice_id = ''%1$s'';\n'
  'UPDATE demo.progress SET ops = ops + 1 WHERE session = %2$s;\n'
  'COMMIT;', invoice_id, :session)
@@ -21,7 +21,7 @@ E'BEGIN;\n'
 E'BEGIN;\n'
  'UPDATE invoices SET status = ''failed'', failed_attempts = GREATEST(failed_attempts, %2$s)'
  ' WHERE invoice_id = ''%1$s'' AND status <> ''paid'';\n'
- 'SELECT idem_emit(''payment.failed'', subscription_id, invoice_id || '':failed:%2$s'','
+ 'SELECT idem.idem_emit(''payment.failed'', subscription_id, invoice_id || '':failed:%2$s'','
  ' payload || ''{"attempt_no": %2$s}'') FROM invoice_events WHERE invoice_id = ''%1$s'';\n'
  'UPDATE demo.progress SET ops = ops + 1 WHERE session = %3$s;\n'
  'COMMIT;', invoice_id, attempt_no, :session)

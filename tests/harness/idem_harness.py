@@ -297,14 +297,14 @@ class Db:
 
     # Bundled handlers' state.
     def dunning_step(self, subscription_id):
-        return self.scalar("SELECT step FROM dunning WHERE subscription_id = %s", subscription_id)
+        return self.scalar("SELECT step FROM billing.dunning WHERE subscription_id = %s", subscription_id)
 
     def ledger(self, consumer=None):
         """[(consumer, event_id)] of consumed_events, ordered."""
         if consumer is None:
-            rows = self.query("SELECT consumer, event_id::text FROM consumed_events ORDER BY 1, 2")
+            rows = self.query("SELECT consumer, event_id::text FROM idem.consumed_events ORDER BY 1, 2")
         else:
-            rows = self.query("SELECT consumer, event_id::text FROM consumed_events WHERE consumer = %s"
+            rows = self.query("SELECT consumer, event_id::text FROM idem.consumed_events WHERE consumer = %s"
                               " ORDER BY 1, 2", consumer)
         return [tuple(r) for r in rows]
 

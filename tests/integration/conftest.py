@@ -71,13 +71,14 @@ def servers():
 
 @pytest.fixture(scope="session")
 def template_db(servers):
-    """A database migrated once by `idem migrate`; each test's database is a copy of it."""
+    """A database migrated once by `idem migrate --billing` (the bundled handlers' tables too);
+    each test's database is a copy of it."""
     if not os.access(IDEM, os.X_OK):
         pytest.fail(f"{IDEM} is missing: run make first")
     name = f"idem_tpl_{os.getpid()}"
     admin_exec(servers, f'DROP DATABASE IF EXISTS "{name}"')
     admin_exec(servers, f'CREATE DATABASE "{name}"')
-    r = run_idem("migrate", pg_url=servers.db_url(name), amqp_url=servers.amqp_url)
+    r = run_idem("migrate", "--billing", pg_url=servers.db_url(name), amqp_url=servers.amqp_url)
     if r.returncode != 0:
         pytest.fail(f"idem migrate into the template failed ({r.returncode}):\n{r.stdout}{r.stderr}")
     yield name

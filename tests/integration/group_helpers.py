@@ -316,7 +316,7 @@ class Emitter(threading.Thread):
                         conn = self._connect()
                     with conn.cursor() as cur:
                         for e in ordered:
-                            cur.execute("SELECT idem_emit(%s, %s::uuid, %s, %s::jsonb)::text",
+                            cur.execute("SELECT idem.idem_emit(%s, %s::uuid, %s, %s::jsonb)::text",
                                         (e.type, e.sub, e.key, json.dumps(e.body)))
                             got = cur.fetchone()[0]
                             assert got == e.id, f"idem_emit returned {got} for {e.key}"
@@ -374,9 +374,9 @@ BEGIN
                                                                      NEW.event_id);
     RETURN NULL;
 END $$;
-CREATE TRIGGER it_log_dunning AFTER INSERT OR UPDATE ON dunning
+CREATE TRIGGER it_log_dunning AFTER INSERT OR UPDATE ON billing.dunning
     FOR EACH ROW EXECUTE FUNCTION it_log_dunning();
-CREATE TRIGGER it_log_revenue AFTER INSERT ON revenue_entries
+CREATE TRIGGER it_log_revenue AFTER INSERT ON billing.revenue_entries
     FOR EACH ROW EXECUTE FUNCTION it_log_revenue();
 """
 
@@ -405,7 +405,7 @@ def audit(query, plan, consumer="billing", only=None):
     receipts = {md5_uuid(f"{e.body['invoice_id']}:receipt") for e in paid}
 
     ledger = {r[0] for r in query(
-        "SELECT event_id::text FROM consumed_events WHERE consumer = %s", consumer)}
+        "SELECT event_id::text FROM idem.consumed_events WHERE consumer = %s", consumer)}
     missing = [e.id for e in want if e.id not in ledger]
     assert not missing, f"{len(missing)} events never applied, e.g. {missing[:3]}"
     missing_r = receipts - ledger
@@ -450,7 +450,7 @@ def audit(query, plan, consumer="billing", only=None):
                 resets = counts.get((e.id, "dunning"), 0)
                 if resets != (0 if after is None else 1):
                     problems.append(f"invoice.paid #{e.body['n']}: {resets} dunning resets")
-        got = query("SELECT step FROM dunning WHERE subscription_id = %s", sub)
+        got = query("SELECT step FROM billing.dunning WHERE subscription_id = %s", sub)
         got = got[0][0] if got else None
         if got != final:
             problems.append(f"final step {got}, want {final}")
@@ -459,10 +459,10 @@ def audit(query, plan, consumer="billing", only=None):
     assert not bad, f"{len(bad)} subscriptions wrong:\n" + "\n".join(bad[:10])
 
     rev = {r[0]: r[1] for r in query(
-        "SELECT event_id::text, count(*) FROM revenue_entries GROUP BY 1")}
+        "SELECT event_id::text, count(*) FROM billing.revenue_entries GROUP BY 1")}
     assert rev == {e.id: 1 for e in paid}, "revenue entries are not one per paid invoice"
     rec = {r[0]: r[1] for r in query(
-        "SELECT invoice_id::text, count(*) FROM receipts GROUP BY 1")}
+        "SELECT invoice_id::text, count(*) FROM billing.receipts GROUP BY 1")}
     assert rec == {e.body["invoice_id"]: 1 for e in paid}, "receipts are not one per paid invoice"
     return {"events": len(want), "paid": len(paid), "ledger_rows": len(ledger),
             "subscriptions": len(evs_of)}

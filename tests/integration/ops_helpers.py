@@ -43,7 +43,7 @@ def add_outbox(db, n, status="sent", event_type="invoice.paid", created_ago="0 s
     if sent_ago is None and status == "sent":
         sent_ago = created_ago
     rows = db.query(
-        "INSERT INTO event_outbox (event_id, subscription_id, event_type, payload, status, "
+        "INSERT INTO idem.event_outbox (event_id, subscription_id, event_type, payload, status, "
         "attempts, created_at, sent_at, last_error) "
         "SELECT gen_random_uuid(), gen_random_uuid(), %s, '{}'::jsonb, %s, %s, "
         "now() - %s::interval, now() - %s::interval, %s FROM generate_series(1, %s) "
@@ -55,7 +55,7 @@ def add_outbox(db, n, status="sent", event_type="invoice.paid", created_ago="0 s
 def add_ledger(db, n, ago, consumer="billing"):
     """Inserts n ledger rows consumed `ago` (an interval string) ago; returns their event ids."""
     rows = db.query(
-        "INSERT INTO consumed_events (consumer, event_id, consumed_at) "
+        "INSERT INTO idem.consumed_events (consumer, event_id, consumed_at) "
         "SELECT %s, gen_random_uuid(), now() - %s::interval FROM generate_series(1, %s) "
         "RETURNING event_id::text", consumer, ago, n)
     return sorted(r[0] for r in rows)
@@ -63,12 +63,12 @@ def add_ledger(db, n, ago, consumer="billing"):
 
 def outbox_ids(db, where="true", *params):
     return sorted(r[0] for r in db.query(
-        f"SELECT event_id::text FROM event_outbox WHERE {where}", *params))
+        f"SELECT event_id::text FROM idem.event_outbox WHERE {where}", *params))
 
 
 def ledger_ids(db, where="true", *params):
     return sorted(r[0] for r in db.query(
-        f"SELECT event_id::text FROM consumed_events WHERE {where}", *params))
+        f"SELECT event_id::text FROM idem.consumed_events WHERE {where}", *params))
 
 
 RETAIN_LINE = re.compile(
@@ -96,7 +96,7 @@ def parse_retain(stdout, keys=False):
 
 def emit(db, event_type, body, key=None):
     """idem_emit in its own transaction; returns the event id."""
-    return db.scalar("SELECT idem_emit(%s, %s::uuid, %s, %s::jsonb)::text", event_type,
+    return db.scalar("SELECT idem.idem_emit(%s, %s::uuid, %s, %s::jsonb)::text", event_type,
                      body["subscription_id"], key or uuid.uuid4().hex, json.dumps(body))
 
 

@@ -23,8 +23,8 @@ def md5_uuid(key):
 
 
 def emit(db, event_type, subscription_id, key, body, conn=None):
-    """SELECT idem_emit(...) in its own transaction (or on conn as it is); returns the id."""
-    sql = "SELECT idem_emit(%s, %s::uuid, %s, %s::jsonb)::text"
+    """SELECT idem.idem_emit(...) in its own transaction (or on conn as it is); returns the id."""
+    sql = "SELECT idem.idem_emit(%s, %s::uuid, %s, %s::jsonb)::text"
     args = (event_type, subscription_id, key, json.dumps(body))
     if conn is not None:
         with conn.cursor() as cur:
@@ -49,18 +49,18 @@ def outbox(db, where="true", *params):
     """{event_id: {status, attempts, last_error, subscription_id, event_type, n, seq}}."""
     rows = db.query(
         "SELECT event_id::text, status, attempts, last_error, subscription_id::text, event_type,"
-        " (payload->>'n')::int, seq, sent_at FROM event_outbox WHERE " + where, *params)
+        " (payload->>'n')::int, seq, sent_at FROM idem.event_outbox WHERE " + where, *params)
     keys = ("status", "attempts", "last_error", "subscription_id", "event_type", "n", "seq",
             "sent_at")
     return {r[0]: dict(zip(keys, r[1:])) for r in rows}
 
 
 def status_counts(db):
-    return dict(db.query("SELECT status, count(*) FROM event_outbox GROUP BY status"))
+    return dict(db.query("SELECT status, count(*) FROM idem.event_outbox GROUP BY status"))
 
 
 def wait_all_sent(db, n, timeout=20, what=None):
-    wait_until(lambda: db.count("event_outbox", "status = 'sent'") == n, timeout, 0.1,
+    wait_until(lambda: db.count("idem.event_outbox", "status = 'sent'") == n, timeout, 0.1,
                what or (lambda: f"{n} rows sent (now {status_counts(db)})"))
 
 

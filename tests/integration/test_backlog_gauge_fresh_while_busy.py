@@ -34,16 +34,16 @@ def test_gauge_fresh_while_relay_drains_a_backlog(db, servers, queues, broker, r
 
     stuck_sub = new_id()
     db.execute(
-        "INSERT INTO event_outbox (event_id, subscription_id, event_type, payload, created_at,"
+        "INSERT INTO idem.event_outbox (event_id, subscription_id, event_type, payload, created_at,"
         " attempts, next_attempt_at, last_error) VALUES (gen_random_uuid(), %s, %s, '{}',"
         " now() - interval '100 s', 1, now() + interval '1 hour', 'the broker nacked the publish')",
         stuck_sub, TYPE)
     db.execute(
-        "INSERT INTO event_outbox (event_id, subscription_id, event_type, payload)"
+        "INSERT INTO idem.event_outbox (event_id, subscription_id, event_type, payload)"
         " SELECT gen_random_uuid(), gen_random_uuid(), %s, jsonb_build_object('n', i)"
         " FROM generate_series(1, %s) AS i", TYPE, N)
-    db.execute("ANALYZE event_outbox")
-    created = float(db.scalar("SELECT extract(epoch FROM created_at) FROM event_outbox"
+    db.execute("ANALYZE idem.event_outbox")
+    created = float(db.scalar("SELECT extract(epoch FROM created_at) FROM idem.event_outbox"
                               " WHERE subscription_id = %s", stuck_sub))
 
     relay = relays(["--batch", "50"])
@@ -71,4 +71,4 @@ def test_gauge_fresh_while_relay_drains_a_backlog(db, servers, queues, broker, r
             f"gauge {g} is {(t - created) - g:.1f}s behind the stuck row's age {t - created:.1f}"
             f" while busy (published {p:.0f}):\n" + report)
     assert busy[-1][1] - busy[0][1] >= 2, "the gauge did not rise while busy:\n" + report
-    assert db.scalar("SELECT count(*) FROM event_outbox WHERE status = 'pending'") >= 1
+    assert db.scalar("SELECT count(*) FROM idem.event_outbox WHERE status = 'pending'") >= 1

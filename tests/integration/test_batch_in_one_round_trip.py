@@ -71,7 +71,7 @@ def test_batch_with_applied_ids_applies_only_the_new_ones(db, queue, consumers, 
     # while nobody consumes: 200 new events, and each of 100 applied ones again between them
     _, c2 = applied_then_mixed(consumers, queue, db, broker, subs, 100, 200,
                                args=("--log-level", "debug"))
-    assert db.count("consumed_events") == 300
+    assert db.count("idem.consumed_events") == 300
     assert broker.depth(queue) == 0
     assert dead_letters(queue).poll() == []
     # the one-round-trip batches met ids that were not new and went again, claims read first
@@ -81,7 +81,7 @@ def test_batch_with_applied_ids_applies_only_the_new_ones(db, queue, consumers, 
 def test_schema_without_the_check_function_reads_claims_first(db, queue, consumers, broker):
     """A database migrated before sql/007 (no idem_claim_check): the consumer says so and reads
     every claim before running handlers; still exactly once."""
-    db.execute("DROP FUNCTION idem_claim_check(bigint, integer)")
+    db.execute("DROP FUNCTION idem.idem_claim_check(bigint, integer)")
     subs = [new_id() for _ in range(10)]
     c1, c2 = applied_then_mixed(consumers, queue, db, broker, subs, 50, 100,
                                 args=("--log-level", "debug"))
@@ -98,16 +98,16 @@ def test_crash_between_commit_and_ack_with_batches_in_flight(db, queue, consumer
     c1 = consumers("billing", queue, db, fault="consumer.after_commit:3", start=False)
     c1.start(wait_ready=False)  # the queue is full: it may die before it looks ready
     assert c1.wait_exit(30) == -signal.SIGKILL
-    committed = db.count("consumed_events")
+    committed = db.count("idem.consumed_events")
     assert committed >= 3, committed  # at least the three batches whose COMMIT was answered
 
     c2 = consumers("billing", queue, db)
-    wait_until(lambda: db.count("consumed_events") == 600 or None, 60, 0.2, "600 claims")
+    wait_until(lambda: db.count("idem.consumed_events") == 600 or None, 60, 0.2, "600 claims")
     c2.wait_handled(600 - committed + 1, timeout=30)
     wait_until(lambda: broker.depth(queue) == 0 or None, 30, 0.2, "the queue drained")
     assert c2.stop() == 0
     want = steps_by_sub(events)
-    got = dict(db.query("SELECT subscription_id::text, step FROM dunning"))
+    got = dict(db.query("SELECT subscription_id::text, step FROM billing.dunning"))
     assert got == dict(want)
 
 
@@ -121,15 +121,15 @@ def test_connections_terminated_with_batches_in_flight(db, queue, consumers, bro
     c = consumers("billing", queue, db, start=False)
     c.start(wait_ready=False)
     kills, deadline = 0, time.monotonic() + 20
-    while db.count("consumed_events") < 3000 and time.monotonic() < deadline:
+    while db.count("idem.consumed_events") < 3000 and time.monotonic() < deadline:
         kills += db.scalar("SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM "
                            "pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid() "
                            "AND backend_type = 'client backend') k", dbname)
         time.sleep(0.03)
     assert kills > 0
-    wait_until(lambda: db.count("consumed_events") == 3000 or None, 90, 0.2, "3000 claims")
+    wait_until(lambda: db.count("idem.consumed_events") == 3000 or None, 90, 0.2, "3000 claims")
     wait_until(lambda: broker.depth(queue) == 0 or None, 60, 0.2, "the queue drained")
     assert c.stop() == 0
     assert "paused (SQLSTATE" in c.log()
-    got = dict(db.query("SELECT subscription_id::text, step FROM dunning"))
+    got = dict(db.query("SELECT subscription_id::text, step FROM billing.dunning"))
     assert got == dict(steps_by_sub(events))

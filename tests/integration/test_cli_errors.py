@@ -155,7 +155,7 @@ def test_unreachable_rabbitmq_for_relay_once(db, servers):
     line = stderr_line(r)
     assert line.startswith(f"idem relay: cannot connect to RabbitMQ at 127.0.0.1:{port}: "), line
     assert "secret" not in r.stderr + r.stdout
-    assert db.count("event_outbox", "status = 'pending'") == 1
+    assert db.count("idem.event_outbox", "status = 'pending'") == 1
 
 
 def test_replay_invalid_uuid_is_usage_error(db, servers):

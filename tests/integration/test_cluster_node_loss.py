@@ -84,9 +84,9 @@ def test_node_loss_under_load(db, cluster, broker, tmp_path, request):
         emitter.finish()
         t_load_end = emitter.done_at
         total = len(order) + sum(e.type == "invoice.paid" for e in order)
-        wait_until(lambda: db.count("consumed_events", "consumer = 'billing'") >= total, 180,
+        wait_until(lambda: db.count("idem.consumed_events", "consumer = 'billing'") >= total, 180,
                    0.2, lambda: f"{total} ledger rows (have "
-                   f"{db.count('consumed_events', 'consumer = %s', 'billing')}; outbox "
+                   f"{db.count('idem.consumed_events', 'consumer = %s', 'billing')}; outbox "
                    f"{status_counts(db)}); last lines of the daemons' logs:\n"
                    + "\n".join(d.log().splitlines()[-1][:400] for d in cons + relays))
         t_drained = time.time()
@@ -94,7 +94,7 @@ def test_node_loss_under_load(db, cluster, broker, tmp_path, request):
             assert d.running(), f"{d.name} exited:\n{d.log()[-3000:]}"
 
         audit(db.query, plan)
-        assert db.count("event_outbox", "status <> 'sent'") == 0
+        assert db.count("idem.event_outbox", "status <> 'sent'") == 0
         alive_url = urls.split(",")[(victim % 3)]
         assert queue_depth(alive_url, q + ".dlq") == 0
         for name in partitions(q, P):

@@ -16,7 +16,7 @@ def test_crash_before_commit_leaves_nothing_then_applied_once(db, queue, consume
 
     # While it is dead: no effect, no claim, the message is waiting in the queue.
     assert db.dunning_step(body["subscription_id"]) is None
-    assert db.count("dunning") == 0
+    assert db.count("billing.dunning") == 0
     assert db.ledger() == []
     wait_until(lambda: broker.queue_info(queue) == (1, 0), 10, 0.1,
                "the unacked message back in the queue with no consumer")
@@ -40,15 +40,15 @@ def test_crash_before_commit_of_invoice_paid_leaves_no_follow_up(db, queue, cons
     body = payload()
     eid = broker.publish_event("invoice.paid", body)
     assert c1.wait_exit(15) == -signal.SIGKILL
-    assert db.count("revenue_entries") == 0
-    assert db.count("event_outbox") == 0
+    assert db.count("billing.revenue_entries") == 0
+    assert db.count("idem.event_outbox") == 0
     assert db.ledger() == []
 
     c2 = consumers("revenue", queue, db, args=["--bind", "invoice.paid"])
     c2.wait_metric("idem_consumer_applied_total", 1)
     assert c2.stop() == 0
-    assert db.query("SELECT invoice_id::text, event_id::text FROM revenue_entries") == [
+    assert db.query("SELECT invoice_id::text, event_id::text FROM billing.revenue_entries") == [
         (body["invoice_id"], eid)]
-    assert db.query("SELECT event_type, subscription_id::text, status FROM event_outbox") == [
+    assert db.query("SELECT event_type, subscription_id::text, status FROM idem.event_outbox") == [
         ("receipt.requested", body["subscription_id"], "pending")]
     assert db.ledger() == [("revenue", eid)]

@@ -19,10 +19,10 @@ from conftest import new_id, payload
 from consumer_helpers import add_failure, drop_failure, log_lines
 
 CASES = [
-    ("dunning", "25006"),
-    ("dunning", "53100"),
-    ("dunning", "42501"),
-    ("consumed_events", "53100"),
+    ("billing.dunning", "25006"),
+    ("billing.dunning", "53100"),
+    ("billing.dunning", "42501"),
+    ("idem.consumed_events", "53100"),
 ]
 
 
@@ -30,7 +30,7 @@ CASES = [
                          ids=[f"{t}-{c}" for t, c in CASES])
 def test_database_trouble_pauses_and_dead_letters_nothing(db, queue, consumers, broker,
                                                           dead_letters, table, code):
-    events = "INSERT" if table == "consumed_events" else "INSERT OR UPDATE"
+    events = "INSERT" if table == "idem.consumed_events" else "INSERT OR UPDATE"
     add_failure(db, table, code, events=events)
     c = consumers("billing", queue, db, args=["--max-retries", "0"])
     subs = [new_id(), new_id()]
@@ -49,7 +49,7 @@ def test_database_trouble_pauses_and_dead_letters_nothing(db, queue, consumers, 
     errors = log_lines(c, rf" error +consumer: .*{code}")
     assert errors, f"no error-level log line naming {code}:\n{c.log()[-3000:]}"
     assert db.ledger() == []
-    assert db.count("dunning") == 0
+    assert db.count("billing.dunning") == 0
 
     drop_failure(db, table)
     c.wait_metric("idem_consumer_applied_total", 2, timeout=15)

@@ -109,7 +109,7 @@ def test_retries_exhausted_after_a_long_wait_is_dead_lettered(db, queue, consume
     after exactly max-retries + 1 tries. If the dead-letter link died of missed heartbeats
     meanwhile, its dead-lettering fails, the window is handed back, the broker redelivers the
     event and its tries start again from zero: the same again at the end, for ever."""
-    add_failure(db, "dunning", "40001")
+    add_failure(db, "billing.dunning", "40001")
     c = consumers("billing", queue, db, args=["--heartbeat", "1s", "--max-retries", "3"])
     eid = broker.publish_event("payment.failed", payload())
     letters = dead_letters(queue)

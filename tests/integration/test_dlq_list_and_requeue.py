@@ -21,7 +21,7 @@ def listed(servers, queue):
 
 
 def test_list_then_requeue_selected(db, queue, consumers, broker, servers):
-    inject_failure(db, "dunning", "P0001")
+    inject_failure(db, "billing.dunning", "P0001")
     c = consumers("billing", queue, db)
     subs = [new_id() for _ in range(3)]
     ids = [broker.publish_event("payment.failed", payload(subscription_id=s),
@@ -52,7 +52,7 @@ def test_list_then_requeue_selected(db, queue, consumers, broker, servers):
     assert text.returncode == 0 and ids[0] in text.stdout and "handler_rejected" in text.stdout
 
     # the cause is fixed: requeue one event by id
-    remove_failure(db, "dunning")
+    remove_failure(db, "billing.dunning")
     r = dlq(servers, "requeue", "--queue", queue, "--event-id", ids[1].upper())
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"requeued 1 message from {queue}.dlq to {queue}"
@@ -78,7 +78,7 @@ def test_list_then_requeue_selected(db, queue, consumers, broker, servers):
 
 def test_requeued_copy_carries_the_count_and_no_error(db, queue, consumers, broker, servers,
                                                       dead_letters):
-    inject_failure(db, "dunning", "P0001")
+    inject_failure(db, "billing.dunning", "P0001")
     c = consumers("billing", queue, db)
     eid = broker.publish_event("payment.failed", payload(), headers={"traceparent": "00-ab-01"})
     c.wait_metric("idem_consumer_dead_lettered_total", 1)

@@ -34,21 +34,21 @@ def test_emit_relay_consume_effects_once(db, servers, queue, broker, consumers, 
     ip = emit(db, "invoice.paid", sub_b, f"invoice:{inv}:paid", body)
     assert emit(db, "invoice.paid", sub_b, f"invoice:{inv}:paid", body) == ip
     receipt_id = md5_uuid(f"{inv}:receipt")
-    wait_until(lambda: db.count("receipts") >= 1, 20, 0.1,
+    wait_until(lambda: db.count("billing.receipts") >= 1, 20, 0.1,
                lambda: f"the receipt (outbox {status_counts(db)}, ledger {db.ledger()})")
     all_ids = pf + [ip, receipt_id]
     wait_until(lambda: len(db.ledger()) >= len(all_ids), 10, 0.1, "every event in the ledger")
     c.wait_handled(len(all_ids))
-    wait_until(lambda: db.count("event_outbox", "status = 'sent'") == len(all_ids), 10, 0.1,
+    wait_until(lambda: db.count("idem.event_outbox", "status = 'sent'") == len(all_ids), 10, 0.1,
                lambda: f"every outbox row sent (now {status_counts(db)})")
 
     # Effects, each once.
     assert db.dunning_step(sub_a) == 2
     assert db.dunning_step(sub_b) == 0, "invoice.paid resets the subscription's dunning"
     assert db.query("SELECT invoice_id::text, subscription_id::text, amount_cents, currency,"
-                    " event_id::text FROM revenue_entries") == [(inv, sub_b, 4200, "EUR", ip)]
+                    " event_id::text FROM billing.revenue_entries") == [(inv, sub_b, 4200, "EUR", ip)]
     assert db.query("SELECT invoice_id::text, subscription_id::text, event_id::text"
-                    " FROM receipts") == [(inv, sub_b, receipt_id)]
+                    " FROM billing.receipts") == [(inv, sub_b, receipt_id)]
 
     # The follow-up went through the outbox with the derived id, and was relayed.
     rows = outbox(db)
@@ -56,7 +56,7 @@ def test_emit_relay_consume_effects_once(db, servers, queue, broker, consumers, 
     assert rows[receipt_id]["event_type"] == "receipt.requested"
     assert rows[receipt_id]["subscription_id"] == sub_b
     assert db.scalar("SELECT md5(%s || ':receipt')::uuid::text", inv) == receipt_id
-    assert db.scalar("SELECT payload FROM event_outbox WHERE event_id = %s", receipt_id) == body
+    assert db.scalar("SELECT payload FROM idem.event_outbox WHERE event_id = %s", receipt_id) == body
     assert {(v["status"], v["attempts"]) for v in rows.values()} == {("sent", 0)}
 
     # The ledger: every event once.
@@ -88,7 +88,7 @@ def test_wire_format(db, servers, queues, broker, relay_daemons):
     assert p.type == "invoice.paid"
     assert p.content_type == "application/json"
     assert p.delivery_mode == 2
-    created = db.scalar("SELECT extract(epoch FROM created_at) FROM event_outbox"
+    created = db.scalar("SELECT extract(epoch FROM created_at) FROM idem.event_outbox"
                         " WHERE event_id = %s", eid)
     assert isinstance(p.timestamp, int) and abs(p.timestamp - float(created)) < 1, (
         p.timestamp, created)

@@ -31,7 +31,7 @@ def test_other_forms_dedup_against_canonical(db, queue, consumers, broker, other
     assert db.dunning_step(body["subscription_id"]) == 1
     assert db.ledger() == [("billing", CANON)]
     # The ledger column is uuid; its text is the canonical form.
-    assert db.scalar("SELECT event_id::text FROM consumed_events") == CANON
+    assert db.scalar("SELECT event_id::text FROM idem.consumed_events") == CANON
 
 
 def test_event_id_header_when_no_message_id(db, queue, consumers, broker, dead_letters):
@@ -83,8 +83,8 @@ def test_type_from_event_type_header_then_routing_key(db, queue, consumers, brok
     c.wait_handled(3)
     assert c.stop() == 0
     assert db.dunning_step(p1["subscription_id"]) == 1
-    assert db.query("SELECT invoice_id::text FROM revenue_entries") == [(p2["invoice_id"],)]
+    assert db.query("SELECT invoice_id::text FROM billing.revenue_entries") == [(p2["invoice_id"],)]
     assert db.dunning_step(p3["subscription_id"]) == 1
-    assert db.count("revenue_entries", "invoice_id = %s", p3["invoice_id"]) == 0
+    assert db.count("billing.revenue_entries", "invoice_id = %s", p3["invoice_id"]) == 0
     assert db.ledger() == sorted(("billing", e) for e in (e1, e2, e3))
     assert dead_letters(queue).poll() == []

@@ -119,7 +119,7 @@ def test_examples_emit_relay_consume_exactly_once(staged, example_bins, fresh_db
 
     r = installed_idem("migrate")
     assert r.returncode == 0, r.stderr
-    for sql in sorted(os.listdir(os.path.join(REPO, "sql"))):
+    for sql in sorted(f for f in os.listdir(os.path.join(REPO, "sql")) if f.endswith(".sql")):
         assert f"applied {sql}" in r.stdout, r.stdout
     apply_sql(db, os.path.join(EXAMPLES, "emitter", "schema.sql"))
     apply_sql(db, os.path.join(EXAMPLES, "consumer", "schema.sql"))
@@ -157,18 +157,18 @@ def test_examples_emit_relay_consume_exactly_once(staged, example_bins, fresh_db
     assert ids[3] == ids[0], "a replayed request must collapse into the same event"
     assert len(set(ids)) == 3
     assert db.count("refunds") == 3
-    outbox = dict(db.query("SELECT event_id::text, status FROM event_outbox "
+    outbox = dict(db.query("SELECT event_id::text, status FROM idem.event_outbox "
                            "WHERE event_type = 'refund.issued'"))
     assert sorted(outbox) == sorted(set(ids))
 
     # 3. The installed relay publishes them.
     r = installed_idem("relay", "--once")
     assert r.returncode == 0, r.stderr
-    assert db.count("event_outbox", "status = 'sent'") == 3
+    assert db.count("idem.event_outbox", "status = 'sent'") == 3
 
     # 4. The consumer commits its first batch and is killed before acking it.
     assert first.wait_exit(30) == -signal.SIGKILL, first.log()
-    committed = db.count("consumed_events", "consumer = 'refunds'")
+    committed = db.count("idem.consumed_events", "consumer = 'refunds'")
     assert committed >= 1
 
     # 5. Restarted, it gets the unacked deliveries again, and a copy of the first event.
@@ -197,7 +197,7 @@ def test_examples_emit_relay_consume_exactly_once(staged, example_bins, fresh_db
     assert sorted(r[0] for r in db.query("SELECT event_id::text FROM refund_credits")) == \
         sorted(set(ids) | {sentinel_event})
     assert sorted(r[0] for r in db.query(
-        "SELECT event_id::text FROM consumed_events WHERE consumer = 'refunds'")) == \
+        "SELECT event_id::text FROM idem.consumed_events WHERE consumer = 'refunds'")) == \
         sorted(set(ids) | {sentinel_event})
     traces = dict(db.query("SELECT event_id::text, traceparent FROM refund_credits"))
     for req, eid in zip(requests[:3], ids[:3]):

@@ -27,7 +27,7 @@ def remove_failure(db, table):
 
 def test_transient_failure_retried_then_retries_exhausted(db, queue, consumers, broker,
                                                           dead_letters):
-    inject_failure(db, "dunning", "40001")
+    inject_failure(db, "billing.dunning", "40001")
     c = consumers("billing", queue, db, args=["--max-retries", "2"])
     body = payload()
     eid = new_id()
@@ -50,11 +50,11 @@ def test_transient_failure_retried_then_retries_exhausted(db, queue, consumers, 
     assert elapsed >= 2.5, f"dead-lettered after {elapsed:.1f}s: retries did not wait 1 s + 2 s"
 
     # No claim, no effect.
-    assert db.count("dunning") == 0
+    assert db.count("billing.dunning") == 0
     assert db.ledger() == []
 
     # The cause is gone: a new event is applied normally.
-    remove_failure(db, "dunning")
+    remove_failure(db, "billing.dunning")
     e2 = broker.publish_event("payment.failed", payload(subscription_id=body["subscription_id"]))
     c.wait_metric("idem_consumer_applied_total", 1)
     assert c.stop() == 0
@@ -66,12 +66,12 @@ def test_transient_failure_retried_then_retries_exhausted(db, queue, consumers, 
 
 def test_transient_failure_that_clears_is_applied_once(db, queue, consumers, broker, dead_letters):
     """A failure that clears while the message is retried: applied once, nothing dead-lettered."""
-    inject_failure(db, "dunning", "40P01")
+    inject_failure(db, "billing.dunning", "40P01")
     c = consumers("billing", queue, db, args=["--max-retries", "3"])
     body = payload()
     eid = broker.publish_event("payment.failed", body)
     c.wait_metric("idem_consumer_handler_errors_total", 1)
-    remove_failure(db, "dunning")
+    remove_failure(db, "billing.dunning")
     c.wait_metric("idem_consumer_applied_total", 1, timeout=20)
     assert c.stop() == 0
     assert db.dunning_step(body["subscription_id"]) == 1
@@ -81,7 +81,7 @@ def test_transient_failure_that_clears_is_applied_once(db, queue, consumers, bro
 
 
 def test_non_transient_failure_dead_lettered_at_once(db, queue, consumers, broker, dead_letters):
-    inject_failure(db, "dunning", "P0001")  # a plain RAISE EXCEPTION
+    inject_failure(db, "billing.dunning", "P0001")  # a plain RAISE EXCEPTION
     c = consumers("billing", queue, db, args=["--max-retries", "5"])
     body = payload()
     raw = json.dumps(body).encode()
@@ -94,10 +94,10 @@ def test_non_transient_failure_dead_lettered_at_once(db, queue, consumers, broke
     assert d.body == raw and d.props.message_id == eid
     assert c.metric("idem_consumer_handler_errors_total") == 1
     assert c.metric("idem_consumer_dead_lettered_total", code="handler_rejected") == 1
-    assert db.count("dunning") == 0
+    assert db.count("billing.dunning") == 0
     assert db.ledger() == []
 
-    remove_failure(db, "dunning")
+    remove_failure(db, "billing.dunning")
     e2 = broker.publish_event("payment.failed", body)
     c.wait_metric("idem_consumer_applied_total", 1)
     assert c.stop() == 0
@@ -109,24 +109,24 @@ def test_check_violation_is_rejected_without_partial_effect(db, queue, consumers
                                                             dead_letters):
     """invoice.paid writes revenue_entries, then emits its follow-up into the outbox. Failing the
     outbox insert (23514) must roll back the revenue row too: no partial effect, no claim."""
-    inject_failure(db, "event_outbox", "23514")
+    inject_failure(db, "idem.event_outbox", "23514")
     c = consumers("revenue", queue, db, args=["--bind", "invoice.paid", "--max-retries", "5"])
     body = payload()
     eid = broker.publish_event("invoice.paid", body)
     dl = dead_letters(queue).wait(1, timeout=10)
     assert dl[0].error.startswith("handler_rejected: "), dl[0].error
     assert dl[0].props.message_id == eid
-    assert db.count("revenue_entries") == 0
-    assert db.count("event_outbox") == 0
+    assert db.count("billing.revenue_entries") == 0
+    assert db.count("idem.event_outbox") == 0
     assert db.ledger() == []
 
-    remove_failure(db, "event_outbox")
+    remove_failure(db, "idem.event_outbox")
     body2 = payload()
     e2 = broker.publish_event("invoice.paid", body2)
     c.wait_metric("idem_consumer_applied_total", 1)
     assert c.stop() == 0
-    assert db.query("SELECT invoice_id::text FROM revenue_entries") == [(body2["invoice_id"],)]
-    assert db.count("event_outbox", "event_type = 'receipt.requested'") == 1
+    assert db.query("SELECT invoice_id::text FROM billing.revenue_entries") == [(body2["invoice_id"],)]
+    assert db.count("idem.event_outbox", "event_type = 'receipt.requested'") == 1
     assert db.ledger() == [("revenue", e2)]
 
 
@@ -140,7 +140,7 @@ def test_failing_event_does_not_block_its_batch_mates(db, queue, consumers, brok
             END IF;
             RETURN NEW;
         END $$;
-        CREATE TRIGGER it_fail_one BEFORE INSERT OR UPDATE ON dunning
+        CREATE TRIGGER it_fail_one BEFORE INSERT OR UPDATE ON billing.dunning
             FOR EACH ROW EXECUTE FUNCTION it_fail_one();
     """)
     # Published while no consumer runs, so that they arrive together: a first run declares and

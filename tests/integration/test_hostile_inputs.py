@@ -442,7 +442,7 @@ def applied_once(db, made, sql_profile):
         n = db.scalar("SELECT count(*) FROM hostile.seen WHERE event_id = %s", made.event_id)
     else:
         n = db.dunning_step(made.sub)
-    rows = db.scalar("SELECT count(*) FROM consumed_events WHERE event_id = %s", made.event_id)
+    rows = db.scalar("SELECT count(*) FROM idem.consumed_events WHERE event_id = %s", made.event_id)
     return rows == 1 and n == 1
 
 
@@ -603,7 +603,7 @@ def test_hostile_outbox_rows_park_alone(db, servers, queue, broker, tmp_path, re
     for case in OUTBOX_CASES:
         r = case["row"]
         bad[case["name"]] = db.scalar(
-            "INSERT INTO event_outbox (event_id, subscription_id, event_type, payload, headers)"
+            "INSERT INTO idem.event_outbox (event_id, subscription_id, event_type, payload, headers)"
             f" VALUES (gen_random_uuid(), %s, {r['event_type_sql']},"
             f" {r.get('payload_sql', '%s::jsonb')}, {r['headers_sql']}) RETURNING event_id::text",
             new_id(), *([] if "payload_sql" in r else [json.dumps(
@@ -618,7 +618,7 @@ def test_hostile_outbox_rows_park_alone(db, servers, queue, broker, tmp_path, re
         wait_until(lambda: all(outbox(db, "event_id = %s", i)[i]["status"] == "failed"
                                for i in bad.values()), 90, 0.2,
                    lambda: f"every poison row parked (now {status_counts(db)})\n{relay.log()[-3000:]}")
-        wait_until(lambda: db.count("event_outbox", "status = 'sent'") == len(good_ids), 15, 0.2,
+        wait_until(lambda: db.count("idem.event_outbox", "status = 'sent'") == len(good_ids), 15, 0.2,
                    lambda: f"{len(good_ids)} good rows sent (now {status_counts(db)})")
         rows = outbox(db)
         problems = []

@@ -20,8 +20,9 @@ def expected_files():
     lib/pkgconfig/idem.pc, share/idem/sql/), the versioned library names, the deployment kit."""
     headers = {f"include/idem/{os.path.basename(h)}"
                for h in glob.glob(os.path.join(REPO, "include", "idem", "*.h"))}
-    sql = {f"share/idem/sql/{os.path.basename(s)}"
-           for s in glob.glob(os.path.join(REPO, "sql", "*.sql"))}
+    sql = {f"share/idem/sql/{os.path.relpath(s, os.path.join(REPO, 'sql'))}"
+           for s in glob.glob(os.path.join(REPO, "sql", "*.sql"))
+           + glob.glob(os.path.join(REPO, "sql", "billing", "*.sql"))}
     envs = {f"share/idem/env/{os.path.basename(e)}"
             for e in glob.glob(os.path.join(REPO, "deploy", "env", "*.env.example"))}
     assert headers and sql and envs

@@ -63,7 +63,7 @@ def allowed(url, sql, *params):
         conn.close()
 
 
-EMIT = "SELECT idem_emit(%s, %s::uuid, %s, %s::jsonb)::text"
+EMIT = "SELECT idem.idem_emit(%s, %s::uuid, %s, %s::jsonb)::text"
 
 
 def test_roles_exist_and_public_cannot_emit(db, role):
@@ -84,12 +84,12 @@ def test_emitter_emits_and_touches_nothing_else(db, role):
     body = payload()
     eid = allowed(emitter, EMIT, "payment.failed", body["subscription_id"], "k-1",
                   json.dumps(body))[0][0]
-    assert db.scalar("SELECT count(*) FROM event_outbox WHERE event_id = %s", eid) == 1
-    denied(emitter, "SELECT * FROM event_outbox")
-    denied(emitter, "INSERT INTO event_outbox (event_id, subscription_id, event_type, payload) "
+    assert db.scalar("SELECT count(*) FROM idem.event_outbox WHERE event_id = %s", eid) == 1
+    denied(emitter, "SELECT * FROM idem.event_outbox")
+    denied(emitter, "INSERT INTO idem.event_outbox (event_id, subscription_id, event_type, payload) "
                     "VALUES (gen_random_uuid(), gen_random_uuid(), 't', '{}')")
-    denied(emitter, "DELETE FROM consumed_events")
-    denied(emitter, "SELECT * FROM idem_emitted_keys")
+    denied(emitter, "DELETE FROM idem.consumed_events")
+    denied(emitter, "SELECT * FROM idem.idem_emitted_keys")
 
 
 def test_relay_publishes_and_nothing_more(db, role, servers, broker, queues):
@@ -100,13 +100,13 @@ def test_relay_publishes_and_nothing_more(db, role, servers, broker, queues):
     db.scalar(EMIT, "payment.failed", body["subscription_id"], "r-1", json.dumps(body))
     r = run_idem("relay", "--once", pg_url=relay, amqp_url=servers.amqp_url)
     assert r.returncode == 0, r.stderr
-    assert db.count("event_outbox", "status = 'sent'") == 1
+    assert db.count("idem.event_outbox", "status = 'sent'") == 1
     assert len(read_queue(broker, q)) == 1
-    denied(relay, "INSERT INTO event_outbox (event_id, subscription_id, event_type, payload) "
+    denied(relay, "INSERT INTO idem.event_outbox (event_id, subscription_id, event_type, payload) "
                   "VALUES (gen_random_uuid(), gen_random_uuid(), 't', '{}')")
-    denied(relay, "DELETE FROM event_outbox")
-    denied(relay, "UPDATE event_outbox SET payload = '{}'")
-    denied(relay, "SELECT * FROM consumed_events")
+    denied(relay, "DELETE FROM idem.event_outbox")
+    denied(relay, "UPDATE idem.event_outbox SET payload = '{}'")
+    denied(relay, "SELECT * FROM idem.consumed_events")
     denied(relay, EMIT, "payment.failed", body["subscription_id"], "r-2", json.dumps(body))
     r = run_idem("retain", "--force", "--dedup-window", "1s", pg_url=relay)
     assert r.returncode == 1 and "permission denied" in r.stderr, r.stderr
@@ -122,11 +122,11 @@ def test_consumer_applies_and_nothing_more(db, role, queue, consumers, broker):
     assert c.stop() == 0
     assert db.ledger() == sorted(("billing", e) for e in (e1, e2))
     assert db.dunning_step(sub) == 0
-    assert db.count("event_outbox", "event_type = 'receipt.requested'") == 1
-    denied(consumer, "SELECT * FROM event_outbox")
-    denied(consumer, "UPDATE event_outbox SET status = 'sent'")
-    denied(consumer, "DELETE FROM consumed_events")
-    denied(consumer, "DELETE FROM dunning")
+    assert db.count("idem.event_outbox", "event_type = 'receipt.requested'") == 1
+    denied(consumer, "SELECT * FROM idem.event_outbox")
+    denied(consumer, "UPDATE idem.event_outbox SET status = 'sent'")
+    denied(consumer, "DELETE FROM idem.consumed_events")
+    denied(consumer, "DELETE FROM billing.dunning")
     r = run_idem("replay", "--all-failed", pg_url=consumer)
     assert r.returncode == 1, r.stderr
 
@@ -135,13 +135,13 @@ def test_operator_runs_operations_and_nothing_more(db, role, servers):
     op = role("idem_operator")
     body = payload()
     db.scalar(EMIT, "payment.failed", body["subscription_id"], "o-1", json.dumps(body))
-    db.execute("UPDATE event_outbox SET status = 'failed', attempts = 8")
+    db.execute("UPDATE idem.event_outbox SET status = 'failed', attempts = 8")
     for args in (["status", "--json"], ["failed"], ["replay", "--all-failed"],
                  ["retain", "--outbox-keep", "1d", "--dedup-window", "1d"]):
         r = run_idem(*args, pg_url=op)
         assert r.returncode == 0, (args, r.stdout, r.stderr)
-    assert db.count("event_outbox", "status = 'pending'") == 1
-    denied(op, "INSERT INTO consumed_events (consumer, event_id) VALUES ('x', gen_random_uuid())")
-    denied(op, "UPDATE event_outbox SET payload = '{}'")
-    denied(op, "INSERT INTO dunning (subscription_id, step) VALUES (gen_random_uuid(), 1)")
+    assert db.count("idem.event_outbox", "status = 'pending'") == 1
+    denied(op, "INSERT INTO idem.consumed_events (consumer, event_id) VALUES ('x', gen_random_uuid())")
+    denied(op, "UPDATE idem.event_outbox SET payload = '{}'")
+    denied(op, "INSERT INTO billing.dunning (subscription_id, step) VALUES (gen_random_uuid(), 1)")
     denied(op, EMIT, "payment.failed", body["subscription_id"], "o-2", json.dumps(body))

@@ -21,12 +21,12 @@ HOLD_S = 6.0
 
 def test_lock_timeout_bounds_a_batch(db, queue, consumers, broker, dead_letters):
     sub = new_id()
-    db.execute("INSERT INTO dunning (subscription_id, step) VALUES (%s, 1)", sub)
+    db.execute("INSERT INTO billing.dunning (subscription_id, step) VALUES (%s, 1)", sub)
     c = consumers("billing", queue, db, args=["--lock-timeout", "1s", "--max-retries", "5"])
 
     with db.connect(autocommit=False) as app:
         with app.cursor() as cur:
-            cur.execute("SELECT step FROM dunning WHERE subscription_id = %s FOR UPDATE", (sub,))
+            cur.execute("SELECT step FROM billing.dunning WHERE subscription_id = %s FOR UPDATE", (sub,))
         t_lock = time.monotonic()
         held = broker.publish_event("payment.failed", payload(subscription_id=sub))
         # First try: 1 s waiting for the lock, then 55P03.
@@ -68,7 +68,7 @@ def test_lock_timeout_bounds_a_shared_batch(db, queue, consumers, broker, dead_l
     gives up after 1 s, the batch is redone one by one, S's event waits for its retry and the
     others are applied, all within 3 s of the consumer's start."""
     sub = new_id()
-    db.execute("INSERT INTO dunning (subscription_id, step) VALUES (%s, 1)", sub)
+    db.execute("INSERT INTO billing.dunning (subscription_id, step) VALUES (%s, 1)", sub)
     args = ["--lock-timeout", "1s", "--max-retries", "5"]
     assert consumers("billing", queue, db, args=args).stop() == 0  # declares and binds
     c = consumers("billing", queue, db, args=args, start=False)
@@ -76,7 +76,7 @@ def test_lock_timeout_bounds_a_shared_batch(db, queue, consumers, broker, dead_l
 
     with db.connect(autocommit=False) as app:
         with app.cursor() as cur:
-            cur.execute("SELECT step FROM dunning WHERE subscription_id = %s FOR UPDATE", (sub,))
+            cur.execute("SELECT step FROM billing.dunning WHERE subscription_id = %s FOR UPDATE", (sub,))
         t_lock = time.monotonic()
         ids = [broker.publish_event("payment.failed", payload(subscription_id=s))
                for s in others[:2]]

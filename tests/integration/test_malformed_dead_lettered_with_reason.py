@@ -122,7 +122,7 @@ def test_malformed_deliveries_dead_lettered_while_good_ones_apply(db, queue, con
     # Only the good events took effect.
     assert db.dunning_step(sub) == 2
     assert db.dunning_step(at_limit_sub) == 1
-    assert db.count("dunning") == 2
+    assert db.count("billing.dunning") == 2
     assert db.ledger() == sorted(("billing", i) for i in (first, at_limit, last))
     assert broker.depth(queue) == 0
 

@@ -155,7 +155,7 @@ def test_relay_metrics(db, servers, broker, queues, relays):
     wait_until(lambda: value(r2.metrics(), "idem_relay_parked_total") == 1, 15, 0.1, "row parked")
     wait_until(lambda: value(r2.metrics(), "idem_outbox_oldest_pending_seconds") == 0, 15, 0.2,
                "gauge back to 0")
-    assert db.scalar("SELECT status FROM event_outbox WHERE event_id = %s", stuck) == "failed"
+    assert db.scalar("SELECT status FROM idem.event_outbox WHERE event_id = %s", stuck) == "failed"
     assert value(r2.metrics(), "idem_relay_published_total") == 0
     assert r2.stop() == 0
 

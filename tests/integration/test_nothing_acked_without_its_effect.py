@@ -44,20 +44,20 @@ def test_acked_effects_survive_a_crash_under_an_asynchronous_default(servers, db
     c = consumers("billing", queue, db, start=False)
     c.start(wait_ready=False)
     # crash in the middle of the drain, while acked batches' commits may still be in memory
-    wait_until(lambda: db.count("consumed_events") >= 600 or None, 60, 0.005, "600 claims")
+    wait_until(lambda: db.count("idem.consumed_events") >= 600 or None, 60, 0.005, "600 claims")
     servers.pg_stop_immediate()
     servers.pg_start()
     wait_until(lambda: broker.depth(queue) == 0 or None, 90, 0.2, "the queue drained")
     deadline = time.monotonic() + 30  # what was acked is never delivered again: wait, then count
-    while db.count("consumed_events") < 3000 and time.monotonic() < deadline:
+    while db.count("idem.consumed_events") < 3000 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert c.stop() == 0
     got = {eid for (_, eid) in db.ledger("billing")}
     lost = {eid for eid, _ in events} - got
     assert not lost, f"{len(lost)} events acked without their ledger row"
-    assert db.count("consumed_events") == 3000
+    assert db.count("idem.consumed_events") == 3000
     want = collections.Counter(b["subscription_id"] for _, b in events)
-    assert dict(db.query("SELECT subscription_id::text, step FROM dunning")) == dict(want)
+    assert dict(db.query("SELECT subscription_id::text, step FROM billing.dunning")) == dict(want)
     assert dead_letters(queue).poll() == []
 
 

@@ -22,7 +22,7 @@ WINDOW = ["--dedup-window", "1d"]
 
 def park(db, event_id, age_s):
     """A row parked failed by the relay, created age_s seconds ago."""
-    db.execute("UPDATE event_outbox SET status = 'failed', attempts = 8, last_error = 'nacked', "
+    db.execute("UPDATE idem.event_outbox SET status = 'failed', attempts = 8, last_error = 'nacked', "
                "next_attempt_at = now() + interval '1 hour', "
                "created_at = now() - %s * interval '1 second' WHERE event_id = %s", age_s, event_id)
 
@@ -70,7 +70,7 @@ def test_a_future_timestamp_keeps_its_ledger_row_past_the_window(db, servers, qu
     ts = int(time.time()) - 2 * 3600  # 23 h in the future when it was consumed 25 h ago
     broker.publish_event(TYPE, body, event_id=eid, timestamp=ts)
     c.wait_metric("idem_consumer_applied_total", 1)
-    db.execute("UPDATE consumed_events SET consumed_at = now() - interval '25 hours' "
+    db.execute("UPDATE idem.consumed_events SET consumed_at = now() - interval '25 hours' "
                "WHERE event_id = %s", eid)
     r = idem(db, servers, "retain", "--outbox-keep", "1d", *WINDOW)
     assert r.returncode == 0, r.stderr
@@ -84,8 +84,8 @@ def test_a_future_timestamp_keeps_its_ledger_row_past_the_window(db, servers, qu
     assert db.dunning_step(body["subscription_id"]) == 1
     assert dead_letters(queue).poll() == []
     # two days on, its row goes
-    db.execute("UPDATE consumed_events SET consumed_at = now() - interval '49 hours'")
+    db.execute("UPDATE idem.consumed_events SET consumed_at = now() - interval '49 hours'")
     r = idem(db, servers, "retain", "--outbox-keep", "1d", *WINDOW)
     assert r.returncode == 0, r.stderr
     assert "consumed_events: deleted 1 rows" in r.stdout, r.stdout
-    wait_until(lambda: db.count("consumed_events") == 0 or None, 5, 0.1, "the row deleted")
+    wait_until(lambda: db.count("idem.consumed_events") == 0 or None, 5, 0.1, "the row deleted")

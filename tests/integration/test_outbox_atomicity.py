@@ -43,12 +43,12 @@ def test_rolled_back_business_transaction_leaves_nothing(db):
         assert eid == md5_uuid(f"invoice:{inv}:paid")
         # visible inside the transaction ...
         with conn.cursor() as cur:
-            cur.execute("SELECT count(*) FROM event_outbox")
+            cur.execute("SELECT count(*) FROM idem.event_outbox")
             assert cur.fetchone()[0] == 1
         # ... and to nobody else before the commit
-        assert db.count("event_outbox") == 0
+        assert db.count("idem.event_outbox") == 0
         conn.rollback()
-    assert db.count("event_outbox") == 0
+    assert db.count("idem.event_outbox") == 0
     assert db.scalar("SELECT status FROM invoices WHERE invoice_id = %s", inv) == "open"
 
     # A transaction that fails after the emit (an error, not an explicit rollback) likewise.
@@ -61,7 +61,7 @@ def test_rolled_back_business_transaction_leaves_nothing(db):
             conn.rollback()
         else:
             raise AssertionError("expected division by zero")
-    assert db.count("event_outbox") == 0
+    assert db.count("idem.event_outbox") == 0
     assert db.scalar("SELECT status FROM invoices WHERE invoice_id = %s", inv) == "open"
 
 
@@ -72,7 +72,7 @@ def test_committed_business_transaction_leaves_both(db):
         conn.commit()
     assert db.scalar("SELECT status FROM invoices WHERE invoice_id = %s", inv) == "paid"
     rows = db.query("SELECT event_id::text, subscription_id::text, event_type, payload, status,"
-                    " attempts, sent_at, last_error FROM event_outbox")
+                    " attempts, sent_at, last_error FROM idem.event_outbox")
     assert rows == [(eid, sub, "invoice.paid", payload(subscription_id=sub, invoice_id=inv),
                      "pending", 0, None, None)]
     assert eid == md5_uuid(f"invoice:{inv}:paid")
@@ -91,7 +91,7 @@ def test_same_dedup_key_twice_leaves_one_row(db):
         conn.commit()
     assert id1 == id2 == md5_uuid(key)
     assert db.scalar("SELECT md5(%s)::uuid::text", key) == id1
-    rows = db.query("SELECT event_id::text, payload FROM event_outbox")
+    rows = db.query("SELECT event_id::text, payload FROM idem.event_outbox")
     assert rows == [(id1, first)], "the replay must neither add a row nor overwrite the first"
 
     # Twice in one transaction: still one row, same id.
@@ -101,7 +101,7 @@ def test_same_dedup_key_twice_leaves_one_row(db):
         b = emit(None, "payment.failed", sub, key2, first, conn=conn)
         conn.commit()
     assert a == b == md5_uuid(key2)
-    assert db.count("event_outbox") == 2
+    assert db.count("idem.event_outbox") == 2
 
 
 def test_idem_emit_cli_prints_the_id_and_is_idempotent(db, servers):
@@ -117,14 +117,14 @@ def test_idem_emit_cli_prints_the_id_and_is_idempotent(db, servers):
     assert r2.returncode == 0, r2.stderr
     assert r2.stdout == r1.stdout
     rows = db.query("SELECT event_id::text, subscription_id::text, event_type, payload, status"
-                    " FROM event_outbox")
+                    " FROM idem.event_outbox")
     assert rows == [(md5_uuid(key), sub, "invoice.paid", body, "pending")]
 
     # Another key: another row.
     r3 = idem(db, servers, *args[:6], key + ":2", "--payload", json.dumps(body))
     assert r3.returncode == 0, r3.stderr
     assert r3.stdout == md5_uuid(key + ":2") + "\n"
-    assert db.count("event_outbox") == 2
+    assert db.count("idem.event_outbox") == 2
 
 
 def notifications(conn, wait):
@@ -163,4 +163,4 @@ def test_notify_delivered_only_at_commit(db):
             conn.commit()
         got = notifications(listener, 0.5)
         assert [n.channel for n in got] == ["idem_outbox"]
-        assert db.count("event_outbox") == 2
+        assert db.count("idem.event_outbox") == 2

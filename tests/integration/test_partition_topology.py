@@ -137,7 +137,7 @@ def test_one_subscription_always_lands_in_the_same_partition(db, servers, broker
         emit_many(db, events)
         r = relay_once(db, servers)
         assert r.returncode == 0, r.stderr
-        assert db.count("event_outbox", "status = 'sent'") == len(events)
+        assert db.count("idem.event_outbox", "status = 'sent'") == len(events)
 
         home = {}
         total = 0
@@ -228,10 +228,10 @@ def test_partition_list_consumes_only_those(db, servers, broker, group_queue, gr
     mine = [s for s in subs if where[s] in (1, 3)]
     others = [s for s in subs if where[s] in (0, 2)]
     assert mine and others
-    wait_until(lambda: db.count("consumed_events") >= len(mine), 20, 0.1,
+    wait_until(lambda: db.count("idem.consumed_events") >= len(mine), 20, 0.1,
                lambda: f"{len(mine)} events of partitions 1 and 3 applied")
     time.sleep(0.5)
-    applied = {r[0] for r in db.query("SELECT event_id::text FROM consumed_events")}
+    applied = {r[0] for r in db.query("SELECT event_id::text FROM idem.consumed_events")}
     assert applied == {ids[s] for s in mine}
     left = broker.queue_info(q + ".p0")[0] + broker.queue_info(q + ".p2")[0]
     assert left == len(others)

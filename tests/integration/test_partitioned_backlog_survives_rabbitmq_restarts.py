@@ -48,8 +48,8 @@ def test_partitioned_backlog_keeps_order_across_rabbitmq_restarts(
         return e
 
     def sent(n):
-        wait_until(lambda: db.count("event_outbox", "status = 'sent'") >= n, 90, 0.1,
-                   lambda: f"{n} rows sent (have {db.count('event_outbox', 'status = %s', 'sent')})")
+        wait_until(lambda: db.count("idem.event_outbox", "status = 'sent'") >= n, 90, 0.1,
+                   lambda: f"{n} rows sent (have {db.count('idem.event_outbox', 'status = %s', 'sent')})")
 
     where = partition_of(list(plan), P)
     emitted = 0
@@ -76,9 +76,9 @@ def test_partitioned_backlog_keeps_order_across_rabbitmq_restarts(
     last = emit(chunks[-1])
     last.finish()
     total = len(order) + sum(e.type == "invoice.paid" for e in order)
-    wait_until(lambda: db.count("consumed_events", "consumer = 'billing'") >= total, 120, 0.2,
+    wait_until(lambda: db.count("idem.consumed_events", "consumer = 'billing'") >= total, 120, 0.2,
                lambda: f"{total} ledger rows (have "
-               f"{db.count('consumed_events', 'consumer = %s', 'billing')})")
+               f"{db.count('idem.consumed_events', 'consumer = %s', 'billing')})")
     for p in procs:
         assert p.running(), f"{p.name} exited:\n{p.log()[-3000:]}"
     summary = audit(db.query, plan)

@@ -87,15 +87,15 @@ def test_partitioned_group_keeps_subscription_order_through_sigkills(
     assert len(kills) >= 5, f"only {len(kills)} SIGKILLs during the load"
 
     total = len(order) + sum(e.type == "invoice.paid" for e in order)
-    wait_until(lambda: db.count("consumed_events", "consumer = 'billing'") >= total, 120, 0.2,
+    wait_until(lambda: db.count("idem.consumed_events", "consumer = 'billing'") >= total, 120, 0.2,
                lambda: f"{total} ledger rows (have "
-               f"{db.count('consumed_events', 'consumer = %s', 'billing')})")
+               f"{db.count('idem.consumed_events', 'consumer = %s', 'billing')})")
     for p in procs:
         assert p.running(), f"{p.name} exited:\n{p.log()[-3000:]}"
 
     summary = audit(db.query, plan)
     assert summary["ledger_rows"] == total
-    assert db.count("event_outbox", "status <> 'sent'") == 0
+    assert db.count("idem.event_outbox", "status <> 'sent'") == 0
     for name in partitions(q, P):
         assert broker.queue_info(name)[0] == 0, f"{name} still holds messages"
     assert broker.depth(q + ".dlq") == 0, broker.get_all(q + ".dlq")[:3]

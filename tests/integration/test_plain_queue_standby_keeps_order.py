@@ -71,9 +71,9 @@ def test_two_processes_on_a_plain_queue_keep_order_through_sigkills(
     assert len(kills) >= 3, f"only {len(kills)} SIGKILLs during the load"
 
     total = len(order) + sum(e.type == "invoice.paid" for e in order)
-    wait_until(lambda: db.count("consumed_events", "consumer = 'billing'") >= total, 120, 0.2,
+    wait_until(lambda: db.count("idem.consumed_events", "consumer = 'billing'") >= total, 120, 0.2,
                lambda: f"{total} ledger rows (have "
-               f"{db.count('consumed_events', 'consumer = %s', 'billing')})")
+               f"{db.count('idem.consumed_events', 'consumer = %s', 'billing')})")
     for p in procs:
         assert p.running(), f"{p.name} exited:\n{p.log()[-3000:]}"
     summary = audit(db.query, plan)

@@ -37,7 +37,7 @@ def test_postgres_failover_under_load(ha, broker, tmp_path, request):
     assert ha.replication() == [("idem_pg2", "streaming", "sync")]
     url = ha.pg_url_ha
     assert "target_session_attrs=read-write" in url
-    r = run_idem("migrate", pg_url=url, amqp_url=ha.amqp_url(1))
+    r = run_idem("migrate", "--billing", pg_url=url, amqp_url=ha.amqp_url(1))
     assert r.returncode == 0, r.stderr
     db = Db(url)
     install_effect_log(db)
@@ -70,9 +70,9 @@ def test_postgres_failover_under_load(ha, broker, tmp_path, request):
 
     emitter.finish(timeout=120)
     total = len(order) + sum(e.type == "invoice.paid" for e in order)
-    wait_until(lambda: db.count("consumed_events", "consumer = 'billing'") >= total, 120, 0.2,
+    wait_until(lambda: db.count("idem.consumed_events", "consumer = 'billing'") >= total, 120, 0.2,
                lambda: f"{total} ledger rows (have "
-               f"{db.count('consumed_events', 'consumer = %s', 'billing')}; outbox "
+               f"{db.count('idem.consumed_events', 'consumer = %s', 'billing')}; outbox "
                f"{status_counts(db)}); last lines of the daemons' logs:\n"
                + "\n".join(d.log().splitlines()[-1][:400] for d in daemons))
     t_drained = time.time()
@@ -86,7 +86,7 @@ def test_postgres_failover_under_load(ha, broker, tmp_path, request):
     acked = set(emitter.acked)
     assert acked == {e.id for e in order}, "the emitter did not get every event acknowledged"
     audit(db.query, plan, only=acked)
-    assert db.count("event_outbox", "status <> 'sent'") == 0
+    assert db.count("idem.event_outbox", "status <> 'sent'") == 0
     assert broker_depth(ha, q + ".dlq") == 0
 
     first_after = db.scalar("SELECT extract(epoch FROM min(at))::float8 FROM it_effects "

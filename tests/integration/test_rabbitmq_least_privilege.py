@@ -149,7 +149,7 @@ def test_relay_publishes_with_its_permissions(db, servers, broker, queues, rmq_u
     eid = emit(db, "payment.failed", body["subscription_id"], "lp-" + new_id(), body)
     r = run_idem("relay", "--once", pg_url=db.url, amqp_url=url)
     assert r.returncode == 0, r.stderr
-    assert db.count("event_outbox", "status = 'sent'") == 1
+    assert db.count("idem.event_outbox", "status = 'sent'") == 1
     assert [m.event_id for m in read_queue(broker, q, expect=1)] == [eid]
     # what the relay's user must not do
     refused(url, "relay reads a queue", get(q))
@@ -168,11 +168,11 @@ def test_relay_no_declare_needs_no_configure(db, servers, broker, queues, rmq_us
     assert r.returncode == 1, (r.stdout, r.stderr)
     line = last_line(r, "relay")
     assert "403" in line and "ACCESS_REFUSED" in line, line
-    assert db.query("SELECT status, attempts FROM event_outbox") == [("pending", 0)]
+    assert db.query("SELECT status, attempts FROM idem.event_outbox") == [("pending", 0)]
     # --no-declare checks passively, then publishes
     r = run_idem("relay", "--once", "--no-declare", pg_url=db.url, amqp_url=url)
     assert r.returncode == 0, r.stderr
-    assert db.count("event_outbox", "status = 'sent'") == 1
+    assert db.count("idem.event_outbox", "status = 'sent'") == 1
     assert len(read_queue(broker, q, expect=1)) == 1
     # an exchange that is not there: one line naming it, exit 1
     missing = f"it.lp.none.{uuid.uuid4().hex[:8]}"

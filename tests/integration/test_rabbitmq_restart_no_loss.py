@@ -21,7 +21,7 @@ def test_rabbitmq_restart_under_running_consumer(servers, db, queue, consumers, 
     # dunning, so the next deliveries are in hand and unacked when the broker goes away.
     with db.connect(autocommit=False) as blocker:
         with blocker.cursor() as cur:
-            cur.execute("LOCK TABLE dunning IN SHARE MODE")
+            cur.execute("LOCK TABLE billing.dunning IN SHARE MODE")
         for _ in range(4):
             ids.append(broker.publish_event("payment.failed", payload(subscription_id=sub)))
         wait_until(lambda: db.scalar(

@@ -54,7 +54,7 @@ def test_readme_sql_handler_runs_as_written(db, servers, queue, consumers, broke
 
     db.execute(emit)
     (event_id, sub, payload_text), = db.query(
-        "SELECT event_id::text, subscription_id::text, payload::text FROM event_outbox "
+        "SELECT event_id::text, subscription_id::text, payload::text FROM idem.event_outbox "
         "WHERE event_type = 'invoice.paid'")
     r = run_idem("relay", "--once", pg_url=db.url, amqp_url=servers.amqp_url, timeout=60)
     assert r.returncode == 0, r.stderr

@@ -44,7 +44,7 @@ def test_broker_down_no_attempts_spent_all_sent_after_return(db, servers, queue,
                 status_counts(db))
             assert relay.running(), relay.log()[-3000:]
             time.sleep(0.2)
-        assert db.scalar("SELECT count(*) FROM event_outbox WHERE last_error IS NOT NULL") == 0
+        assert db.scalar("SELECT count(*) FROM idem.event_outbox WHERE last_error IS NOT NULL") == 0
         servers.rmq_start()
         restarted = True
     finally:
@@ -52,13 +52,13 @@ def test_broker_down_no_attempts_spent_all_sent_after_return(db, servers, queue,
             servers.rmq_start()
     t_up = time.monotonic()
 
-    wait_until(lambda: db.count("event_outbox", "status = 'sent'") == N + 1, 15, 0.1,
+    wait_until(lambda: db.count("idem.event_outbox", "status = 'sent'") == N + 1, 15, 0.1,
                lambda: f"all rows sent within 15 s of the broker's return "
                        f"(now {status_counts(db)})")
     took = time.monotonic() - t_up
     rows = outbox(db)
     assert {(v["status"], v["attempts"]) for v in rows.values()} == {("sent", 0)}
-    assert db.scalar("SELECT count(*) FROM event_outbox WHERE last_error IS NOT NULL") == 0
+    assert db.scalar("SELECT count(*) FROM idem.event_outbox WHERE last_error IS NOT NULL") == 0
     assert relay.running()
     assert relay.stop() == 0
 

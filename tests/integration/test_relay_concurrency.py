@@ -47,7 +47,7 @@ def interleaved(subs, ns, type_of=lambda s, n: TYPE, seed=7):
 def sent_history(db, sub):
     """(n, event_type, attempts, sent_at) of a subscription's rows, for failure messages."""
     return "\n".join(f"  n={r[0]:>2} {r[1]:<15} attempts={r[2]} sent_at={r[3]}" for r in db.query(
-        "SELECT (payload->>'n')::int, event_type, attempts, sent_at FROM event_outbox"
+        "SELECT (payload->>'n')::int, event_type, attempts, sent_at FROM idem.event_outbox"
         " WHERE subscription_id = %s ORDER BY seq", sub))
 
 
@@ -97,7 +97,7 @@ def test_four_relays_each_event_once_in_order(db, servers, queue, broker, relay_
         ids = emit_many(db, interleaved(subs, ns, seed=round_no), per_tx=SUBS * PER_SUB)
         assert len(set(ids)) == SUBS * PER_SUB
         total += len(ids)
-        wait_until(lambda: db.count("event_outbox", "status = 'sent'") == total, 30, 0.1,
+        wait_until(lambda: db.count("idem.event_outbox", "status = 'sent'") == total, 30, 0.1,
                    lambda: f"all rows sent (now {status_counts(db)})")
         for r in rs:
             assert r.running(), r.log()[-2000:]
@@ -134,7 +134,7 @@ def test_variant_a_relay_crashing_mid_run(db, servers, queue, broker, relay_daem
     # Restarted without the fault.
     again = relay_daemons(RELAY, name="relay1-restarted")
 
-    wait_until(lambda: db.count("event_outbox", "status = 'sent'") == len(ids), 30, 0.1,
+    wait_until(lambda: db.count("idem.event_outbox", "status = 'sent'") == len(ids), 30, 0.1,
                lambda: f"all rows sent (now {status_counts(db)})")
     assert {(v["status"], v["attempts"]) for v in outbox(db).values()} == {("sent", 0)}
     got = read_queue(broker, queue, expect=len(ids))
@@ -153,7 +153,7 @@ def test_variant_a_relay_crashing_mid_run(db, servers, queue, broker, relay_daem
 
 OVERTAKEN = """
 SELECT s.subscription_id::text, (s.payload->>'n')::int, (p.payload->>'n')::int, p.attempts
-  FROM event_outbox s JOIN event_outbox p
+  FROM idem.event_outbox s JOIN idem.event_outbox p
     ON p.subscription_id = s.subscription_id AND p.seq < s.seq
  WHERE s.status = 'sent' AND p.status = 'pending'
  LIMIT 5"""
@@ -184,19 +184,19 @@ def test_variant_b_rows_retrying_keep_order(db, servers, queue, broker, relay_da
         bad = db.query(OVERTAKEN)
         assert not bad, ("rows sent while an earlier row of their subscription was still pending "
                          f"(subscription, sent n, pending n, its attempts): {bad}")
-        max_attempts = max(max_attempts, db.scalar("SELECT max(attempts) FROM event_outbox"))
+        max_attempts = max(max_attempts, db.scalar("SELECT max(attempts) FROM idem.event_outbox"))
         waiting = max(waiting, db.scalar(
-            "SELECT count(*) FROM event_outbox o WHERE o.status = 'pending' AND o.attempts = 0"
-            " AND o.event_type = %s AND EXISTS (SELECT 1 FROM event_outbox e"
+            "SELECT count(*) FROM idem.event_outbox o WHERE o.status = 'pending' AND o.attempts = 0"
+            " AND o.event_type = %s AND EXISTS (SELECT 1 FROM idem.event_outbox e"
             " WHERE e.subscription_id = o.subscription_id AND e.seq < o.seq"
             " AND e.status = 'pending' AND e.attempts > 0)", TYPE))
         time.sleep(0.05)
     assert max_attempts >= 2, "the late.bound rows should have been retried before the binding"
     assert waiting > 0, "no routable row was seen waiting behind a retrying one"
-    assert db.count("event_outbox", "status = 'failed'") == 0
+    assert db.count("idem.event_outbox", "status = 'failed'") == 0
     bind(broker, queue, LATE)
 
-    wait_until(lambda: db.count("event_outbox", "status = 'sent'") == len(ids), 30, 0.1,
+    wait_until(lambda: db.count("idem.event_outbox", "status = 'sent'") == len(ids), 30, 0.1,
                lambda: f"all rows sent (now {status_counts(db)})")
     assert not db.query(OVERTAKEN)
     got = read_queue(broker, queue, expect=len(ids))

@@ -30,14 +30,14 @@ RELAY = ("--poll-interval", "50ms")
 
 # Rows of one subscription in one statement, payload field "n" = first..last in emit order.
 EMIT_SERIES = """
-SELECT count(idem_emit(%s, x.s, x.s::text || ':' || i,
+SELECT count(idem.idem_emit(%s, x.s, x.s::text || ':' || i,
                        jsonb_build_object('invoice_id', gen_random_uuid(), 'subscription_id',
                                           x.s, 'amount_cents', 100, 'currency', 'USD', 'n', i)))
   FROM (SELECT %s::uuid AS s) x CROSS JOIN generate_series(%s, %s) AS i"""
 
 # H's first pending row, and the first one nobody holds locked (they differ while a relay holds
 # H); rolled back at once.
-HEAD = ("SELECT seq FROM event_outbox WHERE subscription_id = %s AND status = 'pending'"
+HEAD = ("SELECT seq FROM idem.event_outbox WHERE subscription_id = %s AND status = 'pending'"
         " ORDER BY seq LIMIT 1")
 FREE_HEAD = HEAD + " FOR UPDATE SKIP LOCKED"
 
@@ -53,7 +53,7 @@ def held(db, sub):
 
 
 def sent_of(db, sub):
-    return db.count("event_outbox", "subscription_id = %s AND status = 'sent'", sub)
+    return db.count("idem.event_outbox", "subscription_id = %s AND status = 'sent'", sub)
 
 
 def freeze_holding(relay, db, sub):
@@ -94,7 +94,7 @@ def emit_others(db):
 
 
 def others_sent(db, held_sub):
-    return db.count("event_outbox", "status = 'sent' AND subscription_id <> %s", held_sub)
+    return db.count("idem.event_outbox", "status = 'sent' AND subscription_id <> %s", held_sub)
 
 
 def run_freeze(db, queue, broker, relay_daemons):
@@ -107,7 +107,7 @@ def run_freeze(db, queue, broker, relay_daemons):
     wait_until(lambda: sent_of(db, hung) > 0, 20, 0.01, "relay1 publishing H", [relay1])
     freeze_holding(relay1, db, hung)
     at_freeze = sent_of(db, hung)
-    pending = db.count("event_outbox", "subscription_id = %s AND status = 'pending'", hung)
+    pending = db.count("idem.event_outbox", "subscription_id = %s AND status = 'pending'", hung)
     assert pending > 4000, f"H must keep a long backlog behind the frozen batch: {pending}"
 
     relay2 = relay_daemons(RELAY, name="relay2")
@@ -137,7 +137,7 @@ def test_frozen_relay_holds_only_its_subscription_then_resumes_in_order(db, serv
     hung, others, relay1, relay2, _ = run_freeze(db, queue, broker, relay_daemons)
     relay1.resume()
     total = HELD_ROWS + OTHERS * PER_OTHER
-    wait_until(lambda: db.count("event_outbox", "status = 'sent'") == total, 60, 0.1,
+    wait_until(lambda: db.count("idem.event_outbox", "status = 'sent'") == total, 60, 0.1,
                lambda: f"every row sent (now {status_counts(db)})", [relay1, relay2])
     msgs = read_queue(broker, queue, expect=total, timeout=60)
     assert relay1.stop() == 0
@@ -157,7 +157,7 @@ def test_frozen_relay_killed_its_subscription_goes_on_in_order(db, servers, queu
     relay1.kill()  # SIGKILL while stopped: its server session ends, its batch rolls back
     assert relay1.returncode == -signal.SIGKILL
     total = HELD_ROWS + OTHERS * PER_OTHER
-    wait_until(lambda: db.count("event_outbox", "status = 'sent'") == total, 60, 0.1,
+    wait_until(lambda: db.count("idem.event_outbox", "status = 'sent'") == total, 60, 0.1,
                lambda: f"every row sent by relay2 (now {status_counts(db)})", [relay2])
     msgs = read_queue(broker, queue, expect=total, timeout=60)
     assert relay2.stop() == 0
@@ -183,7 +183,7 @@ def test_head_waiting_for_a_retry_holds_only_its_long_backlog(db, servers, queue
     assert db.scalar(EMIT_SERIES, TYPE, held_sub, 1, HELD_ROWS) == HELD_ROWS
     relay = relay_daemons((*RELAY, "--backoff-base", "60s", "--backoff-max", "60s"))
     head = "subscription_id = %s AND (payload->>'n')::int = 0 AND attempts = 1"
-    wait_until(lambda: db.count("event_outbox", head, held_sub) == 1, 20, 0.05,
+    wait_until(lambda: db.count("idem.event_outbox", head, held_sub) == 1, 20, 0.05,
                "the held subscription's head returned once", [relay])
     others = emit_others(db)
     total = OTHERS * PER_OTHER
@@ -195,6 +195,6 @@ def test_head_waiting_for_a_retry_holds_only_its_long_backlog(db, servers, queue
     assert relay.stop() == 0
     check_others(msgs, others)
     assert sent_of(db, held_sub) == 0, "rows went out behind a head waiting for its retry"
-    assert db.count("event_outbox", "subscription_id = %s AND status = 'pending' AND attempts = 0",
+    assert db.count("idem.event_outbox", "subscription_id = %s AND status = 'pending' AND attempts = 0",
                     held_sub) == HELD_ROWS
-    assert db.count("event_outbox", head, held_sub) == 1
+    assert db.count("idem.event_outbox", head, held_sub) == 1

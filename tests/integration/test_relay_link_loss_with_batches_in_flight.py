@@ -177,7 +177,7 @@ def test_link_breaks_with_two_batches_in_flight(db, servers, queue, broker, prox
     time.sleep(0.3)
     proxy.release_and_cut(mark)
 
-    wait_until(lambda: db.count("event_outbox", "status = 'sent'") == 2 * N, 20, 0.1,
+    wait_until(lambda: db.count("idem.event_outbox", "status = 'sent'") == 2 * N, 20, 0.1,
                lambda: f"{2 * N} rows sent (now {status_counts(db)})\n{relay.log()[-3000:]}")
     rows = outbox(db)
     assert all(rows[i]["attempts"] == 0 for i in a + b), "a broken link spends nothing"

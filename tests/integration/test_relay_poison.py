@@ -68,7 +68,7 @@ BEGIN
     VALUES (NEW.event_id, NEW.status, NEW.attempts);
     RETURN NEW;
 END $$;
-CREATE TRIGGER outbox_audit AFTER UPDATE ON event_outbox
+CREATE TRIGGER outbox_audit AFTER UPDATE ON idem.event_outbox
     FOR EACH ROW EXECUTE FUNCTION outbox_audit();
 """
 
@@ -80,7 +80,7 @@ def audit(db):
 
 
 def wait_due(db, event_id, timeout=10):
-    wait_until(lambda: db.scalar("SELECT next_attempt_at <= now() FROM event_outbox"
+    wait_until(lambda: db.scalar("SELECT next_attempt_at <= now() FROM idem.event_outbox"
                                  " WHERE event_id = %s", event_id), timeout, 0.02,
                "the poison row due again")
 

@@ -37,14 +37,14 @@ def waiting_on_lock(db):
 
 
 class TableLock:
-    """Holds LOCK TABLE event_outbox IN ACCESS EXCLUSIVE MODE on a connection of its own until
+    """Holds LOCK TABLE idem.event_outbox IN ACCESS EXCLUSIVE MODE on a connection of its own until
     release() (which commits whatever else that transaction did)."""
 
     def __init__(self, db):
         self.ctx = db.connect(autocommit=False)
         self.conn = self.ctx.__enter__()
         with self.conn.cursor() as cur:
-            cur.execute("LOCK TABLE event_outbox IN ACCESS EXCLUSIVE MODE")
+            cur.execute("LOCK TABLE idem.event_outbox IN ACCESS EXCLUSIVE MODE")
 
     def release(self):
         if self.conn is not None:
@@ -63,7 +63,7 @@ def emit_batch(db, tag, n=N):
 def assert_sent_once(db, broker, queue, ids, timeout=10):
     """All of ids are sent within timeout seconds; the queue got each exactly once."""
     t0 = time.monotonic()
-    wait_until(lambda: db.count("event_outbox", "status = 'sent' AND event_id = ANY(%s::uuid[])",
+    wait_until(lambda: db.count("idem.event_outbox", "status = 'sent' AND event_id = ANY(%s::uuid[])",
                                 ids) == len(ids), timeout, 0.1,
                lambda: f"{len(ids)} rows sent within {timeout}s (now {status_counts(db)})")
     took = time.monotonic() - t0
@@ -71,7 +71,7 @@ def assert_sent_once(db, broker, queue, ids, timeout=10):
     dups = sorted({i for i in got if got.count(i) > 1})
     assert sorted(set(got)) == sorted(ids), "every event reached the queue"
     assert not dups, f"{len(got)} messages for {len(ids)} events; duplicated: {dups[:5]}"
-    assert db.count("event_outbox", "attempts > 0") == 0, "a failing statement spends nothing"
+    assert db.count("idem.event_outbox", "attempts > 0") == 0, "a failing statement spends nothing"
     return took
 
 
@@ -128,7 +128,7 @@ def test_lock_timeout_rolls_back_retries_then_sends(db, servers, queue, broker, 
         with lock.conn.cursor() as cur:
             for i in range(N):
                 s = subs[i % 5]
-                cur.execute("SELECT idem_emit(%s, %s::uuid, %s, %s::jsonb)::text",
+                cur.execute("SELECT idem.idem_emit(%s, %s::uuid, %s, %s::jsonb)::text",
                             (TYPE, s, f"locked:{i}:{new_id()}",
                              json.dumps(payload(subscription_id=s, n=i))))
                 ids.append(cur.fetchone()[0])
@@ -160,7 +160,7 @@ def test_terminated_backends_reconnect_and_carry_on(db, servers, queue, broker, 
                       sorted(before))
     assert all(ok for _, ok in killed), killed
     first = emit_batch(db, "after-idle-kill", n=10)
-    wait_until(lambda: db.count("event_outbox", "status = 'sent'") == 10, 10, 0.1,
+    wait_until(lambda: db.count("idem.event_outbox", "status = 'sent'") == 10, 10, 0.1,
                lambda: f"10 rows sent after the idle backends were terminated "
                        f"(now {status_counts(db)})\n{relay.log()[-2000:]}")
 
@@ -214,7 +214,7 @@ def test_table_lock_while_busy_sends_each_once(db, servers, queues, broker, rela
         ch.queue_declare(queue=q, durable=False)
         ch.queue_bind(queue=q, exchange="billing.events", routing_key=TYPE)
     n = 20_000
-    db.execute("INSERT INTO event_outbox (event_id, subscription_id, event_type, payload)"
+    db.execute("INSERT INTO idem.event_outbox (event_id, subscription_id, event_type, payload)"
                " SELECT gen_random_uuid(), gen_random_uuid(), %s, jsonb_build_object('n', i)"
                " FROM generate_series(1, %s) AS i", TYPE, n)
     relay = relay_daemons(["--lock-timeout", "1s", "--batch", "50"])
@@ -222,13 +222,13 @@ def test_table_lock_while_busy_sends_each_once(db, servers, queues, broker, rela
 
     with db.connect(autocommit=False) as conn, conn.cursor() as cur:
         cur.execute("SET lock_timeout = '20s'")
-        cur.execute("LOCK TABLE event_outbox IN ACCESS EXCLUSIVE MODE")
+        cur.execute("LOCK TABLE idem.event_outbox IN ACCESS EXCLUSIVE MODE")
         held_at = relay.sent()
         time.sleep(1.5)
         conn.commit()
     assert held_at < n, "the backlog was drained before the lock was taken"
 
-    wait_until(lambda: db.count("event_outbox", "status = 'sent'") == n, 20, 0.2,
+    wait_until(lambda: db.count("idem.event_outbox", "status = 'sent'") == n, 20, 0.2,
                lambda: f"{n} rows sent (now {status_counts(db)})")
     wait_until(lambda: broker.depth(q) >= n, 10, 0.2, "every message in the queue")
     time.sleep(0.5)  # anything published twice arrives too

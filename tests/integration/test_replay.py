@@ -13,15 +13,15 @@ UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 
 def row(db, event_id):
     return db.query("SELECT status, attempts, last_error, next_attempt_at <= now(), sent_at "
-                    "FROM event_outbox WHERE event_id = %s", event_id)[0]
+                    "FROM idem.event_outbox WHERE event_id = %s", event_id)[0]
 
 
 def park(db, event_id, error="basic.return: 312 NO_ROUTE", age=None):
     """Marks a row failed as the relay does after its last attempt."""
-    db.execute("UPDATE event_outbox SET status = 'failed', attempts = 8, last_error = %s, "
+    db.execute("UPDATE idem.event_outbox SET status = 'failed', attempts = 8, last_error = %s, "
                "next_attempt_at = now() + interval '1 hour' WHERE event_id = %s", error, event_id)
     if age:
-        db.execute("UPDATE event_outbox SET created_at = now() - %s::interval "
+        db.execute("UPDATE idem.event_outbox SET created_at = now() - %s::interval "
                    "WHERE event_id = %s", age, event_id)
 
 
@@ -127,15 +127,15 @@ def test_replay_all_failed_is_all_or_nothing(db, servers):
     assert "dedup window" in line, line
     assert r.stdout == ""
     assert outbox_ids(db, "status = 'failed'") == sorted(young + [old])  # nothing changed
-    assert db.count("event_outbox", "attempts = 8") == 4
+    assert db.count("idem.event_outbox", "attempts = 8") == 4
 
     r = idem(db, servers, "replay", "--all-failed")  # default window 30d
     assert r.returncode == 0, r.stderr
     assert re.search(r"\b4\b", r.stdout), r.stdout
-    assert db.count("event_outbox", "status = 'failed'") == 0
-    assert db.count("event_outbox", "status = 'pending' AND attempts = 0 "
+    assert db.count("idem.event_outbox", "status = 'failed'") == 0
+    assert db.count("idem.event_outbox", "status = 'pending' AND attempts = 0 "
                                     "AND next_attempt_at <= now()") == 4
-    assert db.count("event_outbox", "last_error IS NULL") == 0
+    assert db.count("idem.event_outbox", "last_error IS NULL") == 0
 
     r = idem(db, servers, "replay", "--all-failed")  # nothing left: fine, says 0
     assert r.returncode == 0, r.stderr
@@ -163,7 +163,7 @@ def test_replayed_row_is_published_and_applied_once(db, servers, queue, consumer
 
     r = idem(db, servers, "relay", "--once")
     assert r.returncode == 0, r.stderr
-    assert db.count("event_outbox", "status = 'failed'") == 1  # parked rows are not published
+    assert db.count("idem.event_outbox", "status = 'failed'") == 1  # parked rows are not published
 
     r = idem(db, servers, "replay", "--event-id", eid)
     assert r.returncode == 0, r.stderr

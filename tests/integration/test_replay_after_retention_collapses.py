@@ -26,7 +26,7 @@ TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
 def emit_h(db, event_type, sub, key, body, headers=None, conn=None):
-    sql = "SELECT idem_emit(%s, %s::uuid, %s, %s::jsonb, %s::jsonb)::text"
+    sql = "SELECT idem.idem_emit(%s, %s::uuid, %s, %s::jsonb, %s::jsonb)::text"
     args = (event_type, sub, key, json.dumps(body),
             None if headers is None else json.dumps(headers))
     if conn is not None:
@@ -38,11 +38,11 @@ def emit_h(db, event_type, sub, key, body, headers=None, conn=None):
 
 def assert_refused(db, sqlstate, *args, **kw):
     """idem_emit(*args) fails with sqlstate and leaves no outbox row and no key behind."""
-    rows = db.count("event_outbox"), db.count("idem_emitted_keys")
+    rows = db.count("idem.event_outbox"), db.count("idem.idem_emitted_keys")
     with pytest.raises(psycopg2.Error) as e:
         emit_h(db, *args, **kw)
     assert e.value.pgcode == sqlstate, (args, kw, e.value.pgcode, str(e.value))
-    assert (db.count("event_outbox"), db.count("idem_emitted_keys")) == rows, "something inserted"
+    assert (db.count("idem.event_outbox"), db.count("idem.idem_emitted_keys")) == rows, "something inserted"
     return e.value
 
 
@@ -67,7 +67,7 @@ def test_replay_after_retention_collapses(db, servers, queues, broker, consumers
     e = assert_refused(db, "23505", "invoice.paid", sub, key, body)
     assert eid in (e.diag.message_detail or "") + str(e), e
     assert_refused(db, "23505", TYPE, new_id(), key, payload())
-    assert db.count("event_outbox") == 1
+    assert db.count("idem.event_outbox") == 1
 
     c = consumers("billing", consumer_q, db)
     assert relay_published(db, servers) == "published 1, failed attempts 0, parked 0"
@@ -84,19 +84,19 @@ def test_replay_after_retention_collapses(db, servers, queues, broker, consumers
 
     # Forty days later: retention (defaults) deletes the outbox row and the ledger row; the key
     # is kept (400 days).
-    db.execute("UPDATE event_outbox SET created_at = now() - interval '40 days',"
+    db.execute("UPDATE idem.event_outbox SET created_at = now() - interval '40 days',"
                " sent_at = now() - interval '40 days'")
-    db.execute("UPDATE consumed_events SET consumed_at = now() - interval '40 days'")
-    db.execute("UPDATE idem_emitted_keys SET first_emitted_at = now() - interval '40 days'")
+    db.execute("UPDATE idem.consumed_events SET consumed_at = now() - interval '40 days'")
+    db.execute("UPDATE idem.idem_emitted_keys SET first_emitted_at = now() - interval '40 days'")
     r = idem(db, servers, "retain")
     assert r.returncode == 0, r.stderr
     assert parse_retain(r.stdout, keys=True) == {
         "event_outbox": (1, 1), "consumed_events": (1, 1), "idem_emitted_keys": (0, 0)}, r.stdout
-    assert db.count("event_outbox") == 0 and db.count("consumed_events") == 0
+    assert db.count("idem.event_outbox") == 0 and db.count("idem.consumed_events") == 0
 
     # The late replay: same id, no outbox row, nothing for the relay, nothing applied again.
     assert emit_h(db, TYPE, sub, key, body, headers={"traceparent": TRACEPARENT}) == eid
-    assert db.count("event_outbox") == 0, outbox(db)
+    assert db.count("idem.event_outbox") == 0, outbox(db)
     assert relay_published(db, servers) == "published 0, failed attempts 0, parked 0"
     assert_refused(db, "23505", "invoice.paid", sub, key, body)
     assert_refused(db, "23505", TYPE, new_id(), key, payload())
@@ -104,15 +104,15 @@ def test_replay_after_retention_collapses(db, servers, queues, broker, consumers
     assert read_queue(broker, watch, expect=0, timeout=1) == []
     assert c2.stop() == 0
     assert db.dunning_step(sub) == 1
-    assert db.count("consumed_events") == 0
+    assert db.count("idem.consumed_events") == 0
 
 
 def test_keys_keep_deletes_only_old_keys(db, servers):
     subs = [new_id() for _ in range(3)]
     keys = [f"k{i}:{new_id()}" for i in range(3)]
     ids = [emit_h(db, TYPE, s, k, payload(subscription_id=s)) for s, k in zip(subs, keys)]
-    db.execute("UPDATE event_outbox SET status = 'sent', sent_at = now() - interval '61 days'")
-    db.execute("UPDATE idem_emitted_keys SET first_emitted_at = now() - CASE event_id"
+    db.execute("UPDATE idem.event_outbox SET status = 'sent', sent_at = now() - interval '61 days'")
+    db.execute("UPDATE idem.idem_emitted_keys SET first_emitted_at = now() - CASE event_id"
                " WHEN %s::uuid THEN interval '59 days' ELSE interval '61 days' END", ids[2])
 
     r = idem(db, servers, "retain", "--keys-keep", "60d", "--batch", "1")
@@ -120,14 +120,14 @@ def test_keys_keep_deletes_only_old_keys(db, servers):
     assert r.stdout.splitlines()[2] == "idem_emitted_keys: deleted 2 rows in 2 batches", r.stdout
     assert parse_retain(r.stdout, keys=True) == {
         "event_outbox": (3, 3), "consumed_events": (0, 0), "idem_emitted_keys": (2, 2)}
-    assert [r[0] for r in db.query("SELECT event_id::text FROM idem_emitted_keys")] == [ids[2]]
+    assert [r[0] for r in db.query("SELECT event_id::text FROM idem.idem_emitted_keys")] == [ids[2]]
 
     # The kept key still collapses a replay; a forgotten one is a new event (the documented
     # horizon of --keys-keep).
     assert emit_h(db, TYPE, subs[2], keys[2], payload(subscription_id=subs[2])) == ids[2]
-    assert db.count("event_outbox") == 0
+    assert db.count("idem.event_outbox") == 0
     assert emit_h(db, TYPE, subs[0], keys[0], payload(subscription_id=subs[0])) == ids[0]
-    assert db.count("event_outbox") == 1
+    assert db.count("idem.event_outbox") == 1
 
 
 @pytest.mark.parametrize("args", [["--keys-keep", "10d"],
@@ -136,18 +136,18 @@ def test_keys_keep_deletes_only_old_keys(db, servers):
 def test_keys_keep_shorter_than_dedup_window_refused(db, servers, args):
     s = new_id()
     emit_h(db, TYPE, s, f"k:{new_id()}", payload(subscription_id=s))
-    db.execute("UPDATE idem_emitted_keys SET first_emitted_at = now() - interval '100 days'")
+    db.execute("UPDATE idem.idem_emitted_keys SET first_emitted_at = now() - interval '100 days'")
     r = idem(db, servers, "retain", *args)
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     line = stderr_line(r)
     assert line.startswith("idem retain: ") and "--force" in line, line
     assert r.stdout == ""
-    assert db.count("idem_emitted_keys") == 1
+    assert db.count("idem.idem_emitted_keys") == 1
 
     r = idem(db, servers, "retain", *args, "--force")
     assert r.returncode == 0, r.stderr
     assert parse_retain(r.stdout, keys=True)["idem_emitted_keys"] == (1, 1)
-    assert db.count("idem_emitted_keys") == 0
+    assert db.count("idem.idem_emitted_keys") == 0
 
 
 BAD_HEADERS = {
@@ -176,6 +176,6 @@ def test_emit_headers_flat_strings_accepted(db):
     a = emit_h(db, TYPE, s, f"a:{new_id()}", payload(subscription_id=s),
                headers={"traceparent": TRACEPARENT, "tracestate": "", "x-custom": "1"})
     b = emit_h(db, TYPE, s, f"b:{new_id()}", payload(subscription_id=s), headers={})
-    h = dict(db.query("SELECT event_id::text, headers FROM event_outbox"))
+    h = dict(db.query("SELECT event_id::text, headers FROM idem.event_outbox"))
     assert h[a] == {"traceparent": TRACEPARENT, "tracestate": "", "x-custom": "1"}
     assert h[b] is None

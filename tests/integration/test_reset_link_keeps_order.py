@@ -57,9 +57,9 @@ def test_frozen_and_reset_link_keeps_subscription_order(db, servers, broker, que
     emitter.finish()
 
     total = len(order) + sum(e.type == "invoice.paid" for e in order)
-    wait_until(lambda: db.count("consumed_events", "consumer = 'billing'") >= total, 90, 0.2,
+    wait_until(lambda: db.count("idem.consumed_events", "consumer = 'billing'") >= total, 90, 0.2,
                lambda: f"{total} ledger rows (have "
-               f"{db.count('consumed_events', 'consumer = %s', 'billing')})")
+               f"{db.count('idem.consumed_events', 'consumer = %s', 'billing')})")
     assert c.running(), c.log()[-3000:]
     summary = audit(db.query, plan)
     assert summary["ledger_rows"] == total

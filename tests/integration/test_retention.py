@@ -41,9 +41,9 @@ def test_deletes_exactly_old_rows_in_batches(db, servers):
     assert outbox_ids(db) == keep
     assert ledger_ids(db) == keep_ledger
     # untouched rows kept their state
-    assert db.count("event_outbox", "status = 'pending'") == 5
-    assert db.count("event_outbox", "status = 'failed'") == 3
-    assert db.scalar("SELECT min(last_error) FROM event_outbox WHERE status = 'failed'") == "nacked"
+    assert db.count("idem.event_outbox", "status = 'pending'") == 5
+    assert db.count("idem.event_outbox", "status = 'failed'") == 3
+    assert db.scalar("SELECT min(last_error) FROM idem.event_outbox WHERE status = 'failed'") == "nacked"
 
     # a second run finds nothing more
     r = idem(db, servers, "retain", "--batch", "10")
@@ -59,8 +59,8 @@ def test_batches_count_only_deletes_that_removed_rows(db, servers):
     r = idem(db, servers, "retain", "--batch", "10")
     assert r.returncode == 0, r.stderr
     assert parse_retain(r.stdout) == {"event_outbox": (30, 3), "consumed_events": (10, 1)}
-    assert db.count("event_outbox") == 0
-    assert db.count("consumed_events") == 0
+    assert db.count("idem.event_outbox") == 0
+    assert db.count("idem.consumed_events") == 0
 
 
 def test_default_windows_and_batch(db, servers):
@@ -106,8 +106,8 @@ def test_skipped_while_another_run_holds_the_lock(db, servers):
         # the operator learns who holds it (another role taking idem's lock by mistake, say)
         assert (f"held by pid {pid}, role {role}, application nightly-report"
                 in r.stderr), r.stderr
-        assert db.count("event_outbox") == 5
-        assert db.count("consumed_events") == 5
+        assert db.count("idem.event_outbox") == 5
+        assert db.count("idem.consumed_events") == 5
     finally:
         other.close()  # ends the session: the lock goes with it
     r = idem(db, servers, "retain")
@@ -153,8 +153,8 @@ def test_two_concurrent_runs_do_not_overlap(db, servers):
     assert sum(p["event_outbox"][0] for p in done) == 2_000
     if len(done) == 2:  # no overlap: the later run found nothing left
         assert min(p["consumed_events"][0] for p in done) == 0
-    assert db.count("consumed_events") == 0
-    assert db.count("event_outbox") == 0
+    assert db.count("idem.consumed_events") == 0
+    assert db.count("idem.event_outbox") == 0
 
 
 def test_window_rule_refused_without_force(db, servers):
@@ -170,8 +170,8 @@ def test_window_rule_refused_without_force(db, servers):
         assert line.startswith("idem retain: "), line
         assert "--force" in line and "dedup window" in line, line
         assert r.stdout == ""
-    assert db.count("event_outbox") == 3
-    assert db.count("consumed_events") == 3
+    assert db.count("idem.event_outbox") == 3
+    assert db.count("idem.consumed_events") == 3
 
     # equal windows, and exactly 1d, are allowed
     r = idem(db, servers, "retain", "--dedup-window", "1d", "--outbox-keep", "1d")
@@ -181,7 +181,7 @@ def test_window_rule_refused_without_force(db, servers):
     r = idem(db, servers, "retain", "--dedup-window", "12h", "--outbox-keep", "1h", "--force")
     assert r.returncode == 0, r.stderr
     assert parse_retain(r.stdout) == {"event_outbox": (0, 0), "consumed_events": (3, 1)}
-    assert db.count("consumed_events") == 0
+    assert db.count("idem.consumed_events") == 0
 
 
 def test_sigterm_stops_between_batches(db, servers):
@@ -192,7 +192,7 @@ def test_sigterm_stops_between_batches(db, servers):
                             stderr=subprocess.PIPE, text=True,
                             env=dict(IDEM_PG_URL=db.url, IDEM_AMQP_URL=servers.amqp_url))
     try:
-        wait_until(lambda: db.count("consumed_events") < n, 30, 0.02, "retention to start")
+        wait_until(lambda: db.count("idem.consumed_events") < n, 30, 0.02, "retention to start")
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=30)
     finally:
@@ -200,7 +200,7 @@ def test_sigterm_stops_between_batches(db, servers):
             proc.kill()
     assert proc.returncode == 0, err
     parsed = parse_retain(out)
-    left = db.count("consumed_events")
+    left = db.count("idem.consumed_events")
     rows, batches = parsed["consumed_events"]
     assert rows + left == n
     if left:  # the signal arrived before the last batch (the usual case)
@@ -210,4 +210,4 @@ def test_sigterm_stops_between_batches(db, servers):
         r = idem(db, servers, "retain", "--batch", "5000")  # a later run finishes the job
         assert r.returncode == 0, r.stderr
         assert parse_retain(r.stdout)["consumed_events"][0] == left
-    assert db.count("consumed_events") == 0
+    assert db.count("idem.consumed_events") == 0

@@ -28,7 +28,7 @@ def switchable_40001(db):
     sub = new_id()
     db.execute("CREATE TABLE it_ctl (fail boolean NOT NULL); INSERT INTO it_ctl VALUES (true);"
                "CREATE SEQUENCE it_tries")
-    add_failure(db, "dunning", "40001", events="INSERT",
+    add_failure(db, "billing.dunning", "40001", events="INSERT",
                 condition=f"NEW.subscription_id = '{sub}' AND (SELECT fail FROM it_ctl)"
                           " AND nextval('it_tries') > 0")
 
@@ -45,15 +45,15 @@ def applied_once(db, consumer_name, events):
 def check_held(db, sub, paid_body):
     """While payment.failed of sub is retrying: nothing of sub applied, invoice.paid not either."""
     assert db.dunning_step(sub) is None
-    assert db.count("revenue_entries", "invoice_id = %s", paid_body["invoice_id"]) == 0
-    assert db.count("event_outbox", "event_type = 'receipt.requested'") == 0
+    assert db.count("billing.revenue_entries", "invoice_id = %s", paid_body["invoice_id"]) == 0
+    assert db.count("idem.event_outbox", "event_type = 'receipt.requested'") == 0
 
 
 def check_final(db, sub, paid_body, other_sub):
     assert db.dunning_step(sub) == 0, "invoice.paid overtook the retrying payment.failed"
     assert db.dunning_step(other_sub) == 1
-    assert db.count("revenue_entries", "invoice_id = %s", paid_body["invoice_id"]) == 1
-    assert db.count("event_outbox", "event_type = 'receipt.requested'") == 1
+    assert db.count("billing.revenue_entries", "invoice_id = %s", paid_body["invoice_id"]) == 1
+    assert db.count("idem.event_outbox", "event_type = 'receipt.requested'") == 1
 
 
 def test_retry_holds_later_events_of_its_subscription(db, queue, consumers, broker, dead_letters,

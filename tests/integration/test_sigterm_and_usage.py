@@ -24,7 +24,7 @@ def test_sigterm_finishes_and_acks_delivery_in_hand(servers, db, queue, consumer
     body = payload()
     with db.connect(autocommit=False) as blocker:
         with blocker.cursor() as cur:
-            cur.execute("LOCK TABLE dunning IN SHARE MODE")
+            cur.execute("LOCK TABLE billing.dunning IN SHARE MODE")
         eid = broker.publish_event("payment.failed", body)
         wait_until(lambda: db.scalar(LOCKED) >= 1, 10, 0.05, "the consumer blocked on the lock")
         c.signal(signal.SIGTERM)  # once
@@ -43,7 +43,7 @@ def test_second_signal_exits_at_once(db, queue, consumers, broker):
     body = payload()
     with db.connect(autocommit=False) as blocker:
         with blocker.cursor() as cur:
-            cur.execute("LOCK TABLE dunning IN SHARE MODE")
+            cur.execute("LOCK TABLE billing.dunning IN SHARE MODE")
         broker.publish_event("payment.failed", body)
         wait_until(lambda: db.scalar(LOCKED) >= 1, 10, 0.05, "the consumer blocked on the lock")
         c.signal(signal.SIGTERM)

@@ -9,7 +9,7 @@ from test_failing_handler_retried_then_dead_lettered import inject_failure
 
 
 def test_sigterm_while_paused(db, queue, consumers, broker):
-    inject_failure(db, "dunning", "25006")
+    inject_failure(db, "billing.dunning", "25006")
     c = consumers("billing", queue, db)
     for _ in range(5):
         broker.publish_event("payment.failed", payload())
@@ -22,10 +22,10 @@ def test_sigterm_while_paused(db, queue, consumers, broker):
 
 def test_sigterm_while_waiting_behind_a_lock(db, queue, consumers, broker):
     sub = new_id()
-    db.execute("INSERT INTO dunning (subscription_id, step) VALUES (%s, 1)", sub)
+    db.execute("INSERT INTO billing.dunning (subscription_id, step) VALUES (%s, 1)", sub)
     c = consumers("billing", queue, db, args=["--lock-timeout", "3s"])
     with db.connect(autocommit=False) as conn, conn.cursor() as cur:
-        cur.execute("SELECT 1 FROM dunning WHERE subscription_id = %s FOR UPDATE", (sub,))
+        cur.execute("SELECT 1 FROM billing.dunning WHERE subscription_id = %s FOR UPDATE", (sub,))
         broker.publish_event("payment.failed", payload(subscription_id=sub))
         wait_until(lambda: db.scalar("SELECT count(*) FROM pg_stat_activity WHERE "
                                      "application_name = 'idem' AND wait_event_type = 'Lock'"),
@@ -46,7 +46,7 @@ def test_sigterm_while_a_batch_times_out_behind_a_lock(db, queue, consumers, bro
     for _ in range(30):
         broker.publish_event("invoice.paid", payload())
     with db.connect(autocommit=False) as conn, conn.cursor() as cur:
-        cur.execute("LOCK TABLE event_outbox IN ACCESS EXCLUSIVE MODE")
+        cur.execute("LOCK TABLE idem.event_outbox IN ACCESS EXCLUSIVE MODE")
         c.start()
         wait_until(lambda: c.metric("idem_consumer_handler_errors_total") >= 1, 15, 0.1,
                    "a try failed on the lock")

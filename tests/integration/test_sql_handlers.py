@@ -88,7 +88,7 @@ def test_applied_once_under_redelivery(sql_db, queue, consumers, broker, dead_le
     assert row == [("payment.failed", body["subscription_id"], body)]
     assert db.ledger() == [("sqlh", eid)]
     # The SQL handler replaces the bundled ones: no dunning effect.
-    assert db.count("dunning") == 0
+    assert db.count("billing.dunning") == 0
     assert dead_letters(queue).poll() == []
     assert broker.depth(queue) == 0
 

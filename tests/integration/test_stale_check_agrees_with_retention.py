@@ -36,13 +36,13 @@ def test_timestamp_is_created_at_rounded_down(db, servers, queue, broker):
            for i in range(3)]
     # .9 below a second, exactly on a second, and .000001 above one
     for eid, frac in zip(ids, ("0.9", "0", "0.000001")):
-        db.execute("UPDATE event_outbox SET created_at = date_trunc('second', now())"
+        db.execute("UPDATE idem.event_outbox SET created_at = date_trunc('second', now())"
                    " - interval '10 s' + %s::interval WHERE event_id = %s",
                    f"{frac} s", eid)
     want = dict(db.query("SELECT event_id::text, extract(epoch FROM date_trunc('second',"
-                         " created_at))::bigint FROM event_outbox"))
+                         " created_at))::bigint FROM idem.event_outbox"))
     frac = dict(db.query("SELECT event_id::text, extract(epoch FROM created_at)"
-                         " - floor(extract(epoch FROM created_at)) FROM event_outbox"))
+                         " - floor(extract(epoch FROM created_at)) FROM idem.event_outbox"))
     assert float(frac[ids[0]]) == pytest.approx(0.9)
 
     r = relay_once(db, servers)

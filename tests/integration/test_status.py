@@ -57,7 +57,7 @@ def test_backlog_document(db, servers):
     add_outbox(db, 7, "sent", "refund.issued", created_ago="1 hour")  # not listed: nothing due
     add_ledger(db, 5, "3 days 2 hours", consumer="billing")
     add_ledger(db, 6, "1 hour", consumer="receipts")
-    oldest_consumed = db.scalar("SELECT min(consumed_at) FROM consumed_events")
+    oldest_consumed = db.scalar("SELECT min(consumed_at) FROM idem.consumed_events")
 
     r, doc = status_json(db, servers)
     assert r.returncode == 0, r.stderr
@@ -138,11 +138,13 @@ def test_unknown_database_exits_3(servers):
     assert stderr_line(r).startswith("idem status: cannot connect to PostgreSQL at ")
 
 
-def test_unqueryable_database_exits_3(servers):
-    """Reachable but not migrated (no idem tables): cannot query -> 3."""
+def test_unmigrated_database_exits_1_naming_migrate(servers):
+    """Reachable but not migrated (no schema idem): the start check's one line naming `idem
+    migrate`, exit 1, as for every command (contract, "Commands")."""
     r = run_idem("status", pg_url=servers.db_url("postgres"))
-    assert r.returncode == 3, (r.stdout, r.stderr)
-    assert stderr_line(r).startswith("idem status: ")
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    line = stderr_line(r)
+    assert line.startswith("idem status: ") and line.endswith("run idem migrate"), line
 
 
 def test_bad_max_age_is_usage_error(db, servers):

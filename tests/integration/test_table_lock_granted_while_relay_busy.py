@@ -32,7 +32,7 @@ def backlog(db, queues, broker, n=30_000):
         broker.declare_exchange(ch)
         ch.queue_declare(queue=q, durable=False)
         ch.queue_bind(queue=q, exchange="billing.events", routing_key=TYPE)
-    db.execute("INSERT INTO event_outbox (event_id, subscription_id, event_type, payload)"
+    db.execute("INSERT INTO idem.event_outbox (event_id, subscription_id, event_type, payload)"
                " SELECT gen_random_uuid(), ('00000000-0000-4000-8000-' || lpad((i %% 300)::text,"
                " 12, '0'))::uuid, %s, jsonb_build_object('n', i)"
                " FROM generate_series(1, %s) AS i", TYPE, n)
@@ -51,14 +51,14 @@ def test_table_lock_granted_while_relays_busy(db, servers, queues, broker, relay
         with db.connect(autocommit=False) as conn, conn.cursor() as cur:
             cur.execute("SET lock_timeout = '10s'")
             t = time.monotonic()
-            cur.execute("LOCK TABLE event_outbox IN ACCESS EXCLUSIVE MODE")
+            cur.execute("LOCK TABLE idem.event_outbox IN ACCESS EXCLUSIVE MODE")
             waits.append(time.monotonic() - t)
             time.sleep(0.3)
             conn.commit()
         time.sleep(0.5)
     assert max(waits) < 5, f"the table lock waited {max(waits):.1f} s for the relays: {waits}"
 
-    wait_until(lambda: db.count("event_outbox", "status = 'sent'") == n, 60, 0.2,
+    wait_until(lambda: db.count("idem.event_outbox", "status = 'sent'") == n, 60, 0.2,
                lambda: f"{n} rows sent (now {status_counts(db)})")
     wait_until(lambda: broker.depth(q) >= n, 10, 0.2, "every message in the queue")
     time.sleep(0.5)
@@ -89,7 +89,7 @@ def test_table_lock_granted_while_the_backlog_gauge_waits(db, servers, queues, b
         with db.connect(autocommit=False) as conn, conn.cursor() as cur:
             cur.execute("SET lock_timeout = '20s'")
             try:
-                cur.execute("LOCK TABLE event_outbox IN ACCESS EXCLUSIVE MODE")
+                cur.execute("LOCK TABLE idem.event_outbox IN ACCESS EXCLUSIVE MODE")
                 result["granted"] = time.monotonic()
             except Exception as e:  # reported below
                 result["error"] = str(e)
@@ -108,7 +108,7 @@ def test_table_lock_granted_while_the_backlog_gauge_waits(db, servers, queues, b
     assert "error" not in result, result.get("error")
     waited = result["granted"] - released
     assert waited < 5, f"the table lock was granted {waited:.1f} s after the alarm cleared"
-    wait_until(lambda: db.count("event_outbox", "status = 'sent'") == n, 60, 0.2,
+    wait_until(lambda: db.count("idem.event_outbox", "status = 'sent'") == n, 60, 0.2,
                lambda: f"{n} rows sent (now {status_counts(db)})")
     assert relay.stop() == 0
     print(f"the table lock was granted {waited * 1000:.0f} ms after the alarm cleared")

@@ -74,7 +74,7 @@ def emit_one(db, event_type="payment.failed"):
 
 def pending_untouched(db, eid):
     """The row was neither published nor charged an attempt."""
-    status, attempts = db.query("SELECT status, attempts FROM event_outbox WHERE event_id = %s",
+    status, attempts = db.query("SELECT status, attempts FROM idem.event_outbox WHERE event_id = %s",
                                 eid)[0]
     return status == "pending" and attempts == 0
 

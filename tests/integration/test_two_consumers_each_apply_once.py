@@ -47,9 +47,9 @@ def test_invoice_paid_recognised_once_per_consumer(db, queues, consumers, broker
     b.wait_handled(2)
     assert a.stop() == 0 and b.stop() == 0
 
-    assert db.count("revenue_entries", "invoice_id = %s", body["invoice_id"]) == 2
-    assert db.query("SELECT DISTINCT event_id::text, amount_cents, currency FROM revenue_entries") == [
+    assert db.count("billing.revenue_entries", "invoice_id = %s", body["invoice_id"]) == 2
+    assert db.query("SELECT DISTINCT event_id::text, amount_cents, currency FROM billing.revenue_entries") == [
         (eid, 4200, "USD")]
     assert db.ledger() == [("revenue-a", eid), ("revenue-b", eid)]
     # Both emitted the follow-up with the same dedup key: one outbox row.
-    assert db.count("event_outbox", "event_type = 'receipt.requested'") == 1
+    assert db.count("idem.event_outbox", "event_type = 'receipt.requested'") == 1

@@ -32,7 +32,7 @@ ARGS = ("--max-attempts", "3", "--backoff-base", "100ms", "--backoff-max", "1s",
 
 
 def emit_sql(cur, event_type, sub, key, body, headers=None):
-    cur.execute("SELECT idem_emit(%s, %s::uuid, %s, %s::jsonb, %s::jsonb)::text",
+    cur.execute("SELECT idem.idem_emit(%s, %s::uuid, %s, %s::jsonb, %s::jsonb)::text",
                 (event_type, sub, key, json.dumps(body),
                  None if headers is None else json.dumps(headers)))
     return cur.fetchone()[0]
@@ -47,8 +47,8 @@ def test_event_type_over_255_bytes_refused_at_emit(db):
             with pytest.raises(psycopg2.Error) as e:
                 emit_sql(cur, bad, sub, f"k:{len(bad)}:{new_id()}", payload(subscription_id=sub))
             assert e.value.pgcode == "22023", (len(bad.encode()), e.value.pgcode, e.value)
-    assert db.count("event_outbox") == 0
-    assert db.count("idem_emitted_keys") == 0
+    assert db.count("idem.event_outbox") == 0
+    assert db.count("idem.idem_emitted_keys") == 0
 
     with db.connect() as conn, conn.cursor() as cur:
         a = emit_sql(cur, "x" * 255, sub, "ok:255", payload(subscription_id=sub))
@@ -64,7 +64,7 @@ def test_event_type_over_255_bytes_refused_at_emit(db):
 def insert_long_type(db, sub):
     """(b) A 300-byte event_type, inserted straight into the table (idem_emit refuses it)."""
     return db.scalar(
-        "INSERT INTO event_outbox (event_id, subscription_id, event_type, payload)"
+        "INSERT INTO idem.event_outbox (event_id, subscription_id, event_type, payload)"
         " VALUES (gen_random_uuid(), %s, repeat('x', 300), %s::jsonb) RETURNING event_id::text",
         sub, json.dumps(payload(subscription_id=sub)))
 
@@ -74,7 +74,7 @@ def insert_cc_not_array(db, sub):
     PRECONDITION_FAILED (unacceptable_type_in_header). Inserted straight into the table like the
     other bad rows; idem_emit would accept it too (the value is a string)."""
     return db.scalar(
-        "INSERT INTO event_outbox (event_id, subscription_id, event_type, payload, headers)"
+        "INSERT INTO idem.event_outbox (event_id, subscription_id, event_type, payload, headers)"
         " VALUES (gen_random_uuid(), %s, %s, %s::jsonb, '{\"CC\": \"not-an-array\"}')"
         " RETURNING event_id::text", sub, TYPE, json.dumps(payload(subscription_id=sub)))
 
@@ -82,7 +82,7 @@ def insert_cc_not_array(db, sub):
 def insert_huge_header(db, sub):
     """(d) One 200,000-byte header value: the properties do not fit one AMQP frame (131,072)."""
     return db.scalar(
-        "INSERT INTO event_outbox (event_id, subscription_id, event_type, payload, headers)"
+        "INSERT INTO idem.event_outbox (event_id, subscription_id, event_type, payload, headers)"
         " VALUES (gen_random_uuid(), %s, %s, %s::jsonb, jsonb_build_object('big', repeat('h', 200000)))"
         " RETURNING event_id::text", sub, TYPE, json.dumps(payload(subscription_id=sub)))
 
@@ -117,7 +117,7 @@ def test_bad_row_parks_alone_good_rows_flow(kind, db, servers, queue, broker, re
     relay = relays(ARGS)
     wait_until(lambda: outbox(db)[bad]["status"] == "failed", 15, 0.1,
                lambda: f"the bad row parked (now {outbox(db)[bad]})\n{relay.log()[-3000:]}")
-    wait_until(lambda: db.count("event_outbox", "status = 'sent'") == len(good), 15, 0.1,
+    wait_until(lambda: db.count("idem.event_outbox", "status = 'sent'") == len(good), 15, 0.1,
                lambda: f"{len(good)} good rows sent (now {status_counts(db)})\n"
                        f"{relay.log()[-3000:]}")
 

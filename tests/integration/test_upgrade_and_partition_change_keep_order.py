@@ -100,9 +100,9 @@ def delete_queues(servers, queues):
 def finish(db, broker, plan, order, emitter, queues):
     emitter.finish()
     total = len(order) + sum(e.type == "invoice.paid" for e in order)
-    wait_until(lambda: db.count("consumed_events", "consumer = 'billing'") >= total, 120, 0.2,
+    wait_until(lambda: db.count("idem.consumed_events", "consumer = 'billing'") >= total, 120, 0.2,
                lambda: f"{total} ledger rows (have "
-               f"{db.count('consumed_events', 'consumer = %s', 'billing')})")
+               f"{db.count('idem.consumed_events', 'consumer = %s', 'billing')})")
     summary = audit(db.query, plan)
     assert summary["ledger_rows"] == total
     for n in queues:
@@ -139,17 +139,17 @@ def test_upgrade_from_an_older_idem_keeps_order(db, servers, broker, group_queue
     relay = old_relay(db, servers, tmp_path, binary)
     emitter = Emitter(db.url, order, rate=RATE, per_tx=5)
     emitter.start()
-    wait_until(lambda: db.count("consumed_events") >= 200, 30, 0.1, "the old group applying")
+    wait_until(lambda: db.count("idem.consumed_events") >= 200, 30, 0.1, "the old group applying")
 
     procedure(db, servers, relay, old, old_queues)
     # the older topology is refused while it is in place
     line = exits_refused(db, servers, q, *args)
     assert (q + ".hash" if p_old > 1 else q) in line, line
     delete_queues(servers, old_queues)
-    r = subprocess.run([IDEM, "migrate"], env=dict(os.environ, IDEM_PG_URL=db.url),
+    r = subprocess.run([IDEM, "migrate", "--billing"], env=dict(os.environ, IDEM_PG_URL=db.url),
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    backlog = db.count("event_outbox", "status <> 'sent'")
+    backlog = db.count("idem.event_outbox", "status <> 'sent'")
     new = [group_consumers("billing", q, db, args, label=f"new{i}") for i in range(2)]
     relay_daemons(["--poll-interval", "50ms"], wait_ready=True)
     summary = finish(db, broker, plan, order, emitter, old_queues)
@@ -174,7 +174,7 @@ def test_changing_partitions_keeps_order(db, servers, broker, group_queue, group
     relay = relay_daemons(["--poll-interval", "50ms"], wait_ready=True)
     emitter = Emitter(db.url, order, rate=RATE, per_tx=5)
     emitter.start()
-    wait_until(lambda: db.count("consumed_events") >= 200, 30, 0.1, "the old group applying")
+    wait_until(lambda: db.count("idem.consumed_events") >= 200, 30, 0.1, "the old group applying")
 
     procedure(db, servers, relay, old, old_queues)
     exits_refused(db, servers, q, *args_new)

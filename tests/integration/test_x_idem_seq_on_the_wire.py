@@ -28,12 +28,12 @@ TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 def emit_load(db):
     """4 events for each of 3 subscriptions, interleaved, seq above 2^32; the first one carries a
     traceparent header of its own. Returns {event_id: (sub, n)}."""
-    db.execute(f"ALTER TABLE event_outbox ALTER COLUMN seq RESTART WITH {SEQ_START}")
+    db.execute(f"ALTER TABLE idem.event_outbox ALTER COLUMN seq RESTART WITH {SEQ_START}")
     events = [("payment.failed", s, f"{s}:{n}", {"invoice_id": s, "subscription_id": s,
                                                   "amount_cents": n, "currency": "USD", "n": n})
               for n in range(PER_SUB) for s in SUBS]
     first = events[0]
-    first_id = db.scalar("SELECT idem_emit(%s, %s::uuid, %s, %s::jsonb, %s::jsonb)::text",
+    first_id = db.scalar("SELECT idem.idem_emit(%s, %s::uuid, %s, %s::jsonb, %s::jsonb)::text",
                          first[0], first[1], first[2], json.dumps(first[3]),
                          json.dumps({"traceparent": TRACE}))
     ids = [first_id] + emit_many(db, events[1:])
@@ -62,7 +62,7 @@ def test_published_messages_carry_x_idem_seq(db, servers, broker, queue):
     # the wire type: pika decodes 'l' (64-bit signed) and 'I' (32-bit) both as int; a value
     # above 2^32 can only have come as 64 bits. An emit cannot set it itself:
     with pytest.raises(Exception, match="reserved"):
-        db.scalar("SELECT idem_emit('payment.failed', %s::uuid, 'k-reserved', '{}'::jsonb,"
+        db.scalar("SELECT idem.idem_emit('payment.failed', %s::uuid, 'k-reserved', '{}'::jsonb,"
                   " '{\"x-idem-seq\": \"1\"}'::jsonb)", SUBS[0])
 
 

@@ -90,7 +90,7 @@ class _TlsInstance:
     def __enter__(self):
         inst = self.cm.__enter__()
         try:
-            r = run_idem("migrate", pg_url=inst.pg_url, amqp_url=inst.amqp_url())
+            r = run_idem("migrate", "--billing", pg_url=inst.pg_url, amqp_url=inst.amqp_url())
             if r.returncode != 0:
                 raise AssertionError(f"idem migrate on the TLS instance failed:\n{r.stderr}")
         except BaseException:
