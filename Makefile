@@ -63,6 +63,7 @@ LIB_SRCS := \
 	src/outbox.c \
 	src/relay.c \
 	src/relay_claim.c \
+	src/relay_wake.c \
 	src/relay_batch.c \
 	src/migrate.c \
 	src/retain.c \

@@ -171,6 +171,13 @@ static void wake(idem_relay_t *r)
     r->want_claim = true;
 }
 
+/* A NOTIFY: rows were committed while we said we were idle. */
+static void notified(idem_relay_t *r)
+{
+    idemp_relay_busy(r);
+    wake(r);
+}
+
 /* ---- connections ------------------------------------------------------------------------ */
 
 static int once_connect_pg(idemp_pg_t *pg, idem_error_t *err)
@@ -224,6 +231,8 @@ static int ensure_pg(idem_relay_t *r, idem_error_t *err)
             if (daemon && idemp_pg_listen(r->ctl, "idem_outbox", &e) != IDEM_OK)
                 idemp_pg_disconnect(r->ctl, e.text);
             r->gauge_next_ms = 0;
+            if (daemon)
+                idemp_relay_wake_connected(r);
             wake(r); /* rows may have come while nobody listened */
         }
     }
@@ -303,7 +312,7 @@ void idemp_relay_update_gauge(idem_relay_t *r, bool force)
     idemp_rows_free(res);
     /* a NOTIFY read along with the answer is in libpq's queue: the socket will not signal it */
     if (idemp_pg_take_notifies(r->ctl))
-        wake(r);
+        notified(r);
 }
 
 /* ---- the loop ---------------------------------------------------------------------------- */
@@ -434,6 +443,12 @@ static void answered(idem_relay_t *r, slot_t *sl, int rc, idemp_rows_t **rows, i
     } else {
         /* step 1 found less than a batch: nothing more is due but what our own batches hold,
          * unless something woke us since this claim started */
+        if (sl->phase == SLOT_LOCKING) {
+            if (idemp_rows_count(rows[0]) > 0)
+                idemp_relay_busy(r);
+            else
+                idemp_relay_found_none(r);
+        }
         if (sl->phase == SLOT_LOCKING && idemp_rows_count(rows[0]) < r->cfg.batch &&
             r->wakes == sl->wakes)
             r->want_claim = false;
@@ -509,8 +524,8 @@ static bool claim_step(idem_relay_t *r)
 {
     int64_t now = idemp_now_ms();
     if (now >= r->next_poll_ms && !r->cfg.once) {
-        wake(r); /* the backstop poll */
-        r->next_poll_ms = now + r->cfg.poll_interval_ms;
+        wake(r); /* the backstop poll (a short one while busy) */
+        r->next_poll_ms = now + idemp_relay_poll_every(r);
     }
     if (!r->want_claim || stopping(r) || r->fail_rc != 0 || now < r->pg_wait_until ||
         !idemp_amqp_connected(r->amqp) || r->reopen_amqp || r->suspect_waiting || r->suspect_out ||
@@ -519,7 +534,7 @@ static bool claim_step(idem_relay_t *r)
     slot_t *sl = free_slot(r);
     if (sl == NULL)
         return false;
-    r->next_poll_ms = now + r->cfg.poll_interval_ms;
+    r->next_poll_ms = now + idemp_relay_poll_every(r);
     sl->wakes = r->wakes;
     idem_error_t e = {0};
     int rc = idemp_relay_claim_start(r, sl, &e);
@@ -559,7 +574,7 @@ static void wait_io(idem_relay_t *r)
     int got = poll(pfd, n, (int)(wait < 0 ? 0 : wait));
     if (got > 0 && ctl_at >= 0 && (pfd[ctl_at].revents & (POLLIN | POLLHUP | POLLERR)) &&
         idemp_pg_take_notifies(r->ctl))
-        wake(r);
+        notified(r);
 }
 
 int idem_relay_run(idem_relay_t *r, idem_error_t *err)
@@ -607,6 +622,7 @@ int idem_relay_run(idem_relay_t *r, idem_error_t *err)
         progress = claim_step(r) || progress;
         idemp_amqp_flush(r->amqp); /* this turn's publishes go out */
         idemp_relay_update_gauge(r, false);
+        idemp_relay_wake_step(r, !r->want_claim && free_all);
         if (!progress)
             wait_io(r);
     }

@@ -84,8 +84,13 @@ struct idem_relay {
     int64_t gauge_next_ms;
     int64_t pg_wait_until; /* after a failed statement: no claim before this */
     int pg_failures;
-    bool schema_checked;  /* the database is migrated to what this relay needs */
-    bool want_claim;      /* rows are probably due: claim when a slot is free */
+    bool schema_checked; /* the database is migrated to what this relay needs */
+    bool want_claim; /* rows are probably due: claim when a slot is free */
+    /* relay_wake.c: while busy (rows found or a NOTIFY lately) the relay polls every fast_poll_ms
+     * and emitters do not NOTIFY; once quiet it says it is idle (a row of idem_relay_idle) */
+    int64_t busy_until_ms, fast_poll_ms;
+    bool idle_said;       /* our row of idem_relay_idle is there */
+    bool idle_broken;     /* the idle row cannot be written (an older schema): stay busy-less */
     uint64_t wakes;       /* NOTIFYs, polls and commits so far: each makes rows probably due */
     int64_t next_poll_ms; /* the backstop poll: claim at this time even without a NOTIFY */
     int fail_rc;          /* once mode: the first failure, returned by idem_relay_run */
@@ -101,6 +106,27 @@ struct idem_relay {
     idem_relay_stats_t stats;
     volatile sig_atomic_t no_stop;
 };
+
+/* ---- relay_wake.c ---- */
+
+/* The control connection is (re)connected: idle rows of relays that are gone are deleted (their
+ * emitters would go on notifying), ours is not there yet. */
+void idemp_relay_wake_connected(idem_relay_t *r);
+
+/* A NOTIFY came, or step 1 of a claim found rows: the relay is busy for a while. */
+void idemp_relay_busy(idem_relay_t *r);
+
+/* Step 1 of a claim found no row: the next poll waits a little longer. */
+void idemp_relay_found_none(idem_relay_t *r);
+
+/* How long until the next backstop poll from now: short while busy, the poll interval when
+ * idle. */
+int64_t idemp_relay_poll_every(const idem_relay_t *r);
+
+/* Says idle or busy in idem_relay_idle when that changed (a statement on the control
+ * connection). Going idle asks for one more claim: a row committed by an emitter that did not
+ * see the idle row yet is found by it, or by the backstop poll. */
+void idemp_relay_wake_step(idem_relay_t *r, bool quiet);
 
 /* ---- relay_claim.c ---- */
 

@@ -142,10 +142,13 @@ def notifications(conn, wait):
 
 
 def test_notify_delivered_only_at_commit(db):
+    """While a relay says it is idle (its row in idem_relay_idle), an emit notifies it, and
+    only at commit."""
     inv, sub = make_invoice(db)
     with db.connect() as listener:
         with listener.cursor() as cur:
             cur.execute("LISTEN idem_outbox")
+            cur.execute("INSERT INTO idem_relay_idle (pid) VALUES (pg_backend_pid())")
 
         # Rolled back: nothing, ever.
         with db.connect(autocommit=False) as conn:
@@ -164,3 +167,17 @@ def test_notify_delivered_only_at_commit(db):
         got = notifications(listener, 0.5)
         assert [n.channel for n in got] == ["idem_outbox"]
         assert db.count("idem.event_outbox") == 2
+
+
+def test_no_notify_while_every_relay_is_busy(db):
+    """A NOTIFY makes PostgreSQL commit notifying transactions one at a time: with no relay
+    waiting for one (no idle row), an emit commits without it."""
+    inv, sub = make_invoice(db)
+    with db.connect() as listener:
+        with listener.cursor() as cur:
+            cur.execute("LISTEN idem_outbox")
+        with db.connect(autocommit=False) as conn:
+            pay_invoice(conn, inv, sub)
+            conn.commit()
+        assert notifications(listener, 0.5) == []
+        assert db.count("idem.event_outbox") == 1

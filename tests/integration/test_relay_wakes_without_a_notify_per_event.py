@@ -1,0 +1,135 @@
+"""The relay's wake-up does not cost emitters a NOTIFY per event (README "How it works").
+
+A NOTIFY makes PostgreSQL commit notifying transactions one at a time, so idem_emit notifies
+only while a relay says it is idle (a row of idem_relay_idle). A busy relay polls every few
+milliseconds; a relay that found nothing for a second writes its idle row and waits for a
+NOTIFY, with the backstop poll (--poll-interval) for an emitter that called idem_emit before the
+idle row was there and committed after the relay's last look: a missed wake-up costs at most one
+poll interval. These tests run a real relay and count the NOTIFYs a listener sees."""
+
+import select
+import threading
+import time
+
+from conftest import new_id, payload, wait_until
+from relay_helpers import declare_consumer_queue, emit, relay_daemons
+
+__all__ = ["relay_daemons"]
+
+
+def idle_rows(db):
+    return db.count("idem_relay_idle")
+
+
+def sent_at_latency(db, event_id, t_commit, timeout=10):
+    """Seconds from t_commit (time.time()) until the row of event_id is marked sent."""
+    wait_until(lambda: db.scalar("SELECT status FROM event_outbox WHERE event_id = %s::uuid",
+                                 event_id) == "sent", timeout, 0.005,
+               f"event {event_id} sent")
+    sent = db.scalar("SELECT extract(epoch FROM sent_at) FROM event_outbox"
+                     " WHERE event_id = %s::uuid", event_id)
+    return float(sent) - t_commit
+
+
+class Listener:
+    """Counts NOTIFYs on idem_outbox in a thread."""
+
+    def __init__(self, db):
+        self.cm = db.connect()
+        self.conn = self.cm.__enter__()
+        with self.conn.cursor() as cur:
+            cur.execute("LISTEN idem_outbox")
+        self.count = 0
+        self.stop = False
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self):
+        while not self.stop:
+            if select.select([self.conn], [], [], 0.05)[0]:
+                self.conn.poll()
+                while self.conn.notifies:
+                    self.conn.notifies.pop()
+                    self.count += 1
+
+    def close(self):
+        self.stop = True
+        self.thread.join()
+        self.cm.__exit__(None, None, None)
+
+
+def test_busy_relay_is_not_notified_and_an_idle_one_is(db, servers, broker, queue,
+                                                        relay_daemons):
+    declare_consumer_queue(broker, queue, ["payment.failed"])
+    relay = relay_daemons(args=["--poll-interval", "10s"], wait_ready=True)
+    # quiet for a second: the relay says it is idle
+    wait_until(lambda: idle_rows(db) == 1, 10, 0.05, "the relay's idle row")
+    listener = Listener(db)
+    try:
+        # idle: one emit is notified, and the NOTIFY (not the 10 s poll) gets it out at once
+        sub = new_id()
+        t = time.time()
+        eid = emit(db, "payment.failed", sub, f"w:{new_id()}", payload(subscription_id=sub))
+        first = sent_at_latency(db, eid, t)
+        assert first < 1.0, f"an idle relay took {first:.3f} s to publish a notified event"
+        wait_until(lambda: listener.count == 1, 5, 0.02, "one NOTIFY for the first emit")
+        # busy now: a steady stream of emits, one a transaction, is not notified
+        ids = []
+        for i in range(300):
+            ids.append(emit(db, "payment.failed", sub, f"w:{new_id()}",
+                            payload(subscription_id=sub, n=i)))
+            time.sleep(0.002)
+        wait_until(lambda: db.count("event_outbox", "status = 'sent'") == 301, 20, 0.05,
+                   "all 301 sent")
+        notifies = listener.count - 1
+        print(f"\nfirst event after idle: {first * 1000:.1f} ms; NOTIFYs for 300 emits while "
+              f"busy: {notifies}")
+        assert notifies <= 10, (f"{notifies} NOTIFYs for 300 emits to a busy relay: emitters "
+                                f"still notify on every commit")
+        # and it goes idle again once nothing comes
+        wait_until(lambda: idle_rows(db) == 1, 10, 0.05, "the relay idle again")
+    finally:
+        listener.close()
+    assert relay.proc.poll() is None
+
+
+def test_missed_wake_up_costs_at_most_one_poll_interval(db, servers, broker, queue,
+                                                        relay_daemons):
+    """An emitter that called idem_emit while the relay was busy (so it will not notify) and
+    commits after the relay went idle and looked one last time: the backstop poll finds it."""
+    declare_consumer_queue(broker, queue, ["payment.failed"])
+    relay_daemons(args=["--poll-interval", "1s"], wait_ready=True)
+    wait_until(lambda: idle_rows(db) == 1, 10, 0.05, "the relay's idle row")
+    worst = 0.0
+    for k in range(3):
+        sub = new_id()
+        emit(db, "payment.failed", sub, f"m:{new_id()}", payload(subscription_id=sub))
+        wait_until(lambda: idle_rows(db) == 0, 5, 0.002, "the relay busy")
+        with db.connect(autocommit=False) as conn:
+            eid = emit(db, "payment.failed", sub, f"m:{new_id()}",
+                       payload(subscription_id=sub), conn=conn)
+            wait_until(lambda: idle_rows(db) == 1, 10, 0.01, "the relay idle again")
+            time.sleep(0.1)  # past its last look
+            conn.commit()
+            t = time.time()
+        lat = sent_at_latency(db, eid, t)
+        worst = max(worst, lat)
+        print(f"\nmissed wake-up {k + 1}: published {lat * 1000:.0f} ms after the commit "
+              f"(--poll-interval 1s)")
+    assert worst <= 1.5, f"a missed wake-up took {worst:.3f} s, more than one poll interval"
+
+
+def test_stale_idle_row_of_a_killed_relay_is_cleared(db, servers, broker, queue, relay_daemons):
+    declare_consumer_queue(broker, queue, ["payment.failed"])
+    first = relay_daemons(name="killed", wait_ready=True)
+    wait_until(lambda: idle_rows(db) == 1, 10, 0.05, "the relay's idle row")
+    first.proc.kill()
+    first.proc.wait()
+    # the killed relay's connection is gone (its row stays, only a hint)
+    pid = db.scalar("SELECT pid FROM idem_relay_idle")
+    wait_until(lambda: db.count("pg_stat_activity", "pid = %s", pid) == 0, 10, 0.05,
+               "the killed relay's connection gone")
+    assert idle_rows(db) == 1
+    relay_daemons(name="next", wait_ready=True)
+    wait_until(lambda: db.scalar("SELECT count(*) FROM idem_relay_idle WHERE pid = %s",
+                                 pid) == 0, 10, 0.05, "the stale idle row deleted")
