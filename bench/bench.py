@@ -22,6 +22,9 @@ Phases (all in one run, so the ratios compare figures taken under the same condi
             the raw consume-and-ack loop (build/bench/raw_consume), the set-based SQL statement
             (bench/loadgen.py dblimit: 100 events per durable commit), and the recipe consumer
             (bench/recipe.py consume, time-capped).
+  emit      idem_emit, one event a transaction, unpaced on 1, 4 and 16 connections, against the
+            same transaction inserting the same row into a plain table of the outbox's shape
+            and indexes (build/bench/emit_rate --plain), rounds alternating.
   latency   emit -> handler effect committed, at a steady --lat-rate (build/bench/emit_rate)
             and one event at a time (relay and consumer running as daemons); then the idle
             CPU of both over
@@ -139,6 +142,7 @@ def parse_args():
                     help="events per emitting transaction at --lat-rate-high (4: one event per "
                          "transaction tops out near 1/commit time, since idem_emit's NOTIFY "
                          "makes PostgreSQL commit notifying transactions one at a time)")
+    ap.add_argument("--emit-seconds", type=float, default=env_float("BENCH_EMIT_SECONDS", 5))
     ap.add_argument("--lat-seconds", type=float, default=env_float("BENCH_LAT_SECONDS", 5))
     ap.add_argument("--lat-rounds", type=int, default=env_int("BENCH_LAT_ROUNDS", 3))
     ap.add_argument("--idle-events", type=int, default=env_int("BENCH_IDLE_EVENTS", 40))
@@ -162,6 +166,7 @@ def parse_args():
         a.recipe_seconds = min(a.recipe_seconds, 2)
         a.recipe_fill = min(a.recipe_fill, 3000)
         a.lat_seconds = min(a.lat_seconds, 2)
+        a.emit_seconds = min(a.emit_seconds, 1)
         a.lat_rounds = 1
         a.idle_events = min(a.idle_events, 10)
         a.idle_cpu_seconds = min(a.idle_cpu_seconds, 3)
@@ -635,6 +640,37 @@ def latency_round(run, rate, conns, procs, per_tx=1):
     return lat
 
 
+PLAIN = "bench_plain_outbox"
+
+
+def phase_emit():
+    """idem_emit against a plain insert of the same row, one event a transaction (autocommit,
+    durable commit), unpaced for --emit-seconds on 1, 4 and 16 connections; rounds alternate
+    idem and plain so that both see the same server state."""
+    if not have_idem():
+        return
+    q(f"DROP TABLE IF EXISTS {PLAIN}")
+    q(f"CREATE TABLE {PLAIN} (LIKE event_outbox INCLUDING ALL)")
+    try:
+        for conns in (1, 4, 16):
+            for r in range(A.rounds):
+                for kind in ("idem", "plain"):
+                    truncate("event_outbox", PLAIN)
+                    q("CHECKPOINT")
+                    run = f"emit-{kind}-{conns}-{r}"
+                    args = [tool("emit_rate"), "--rate", "0", "--seconds", str(A.emit_seconds),
+                            "--run", run, "--conns", str(conns)]
+                    if kind == "plain":
+                        args += ["--plain", PLAIN]
+                    out = run_json(args, A.emit_seconds + 60, "emit_rate")
+                    sample(f"emit.{kind}.{conns}", out["achieved_rate"])
+                    log(f"emit {kind}, {conns} connection(s), round {r + 1}: "
+                        f"{out['achieved_rate']:.0f} events/s")
+    finally:
+        q(f"DROP TABLE IF EXISTS {PLAIN}")
+        truncate("event_outbox")
+
+
 def phase_latency():
     if not have_idem():
         return
@@ -953,6 +989,13 @@ def build_rows():
             "", "", "", None)
         add(f"latency p99 at {rate_hi}", statistics.median([x["p99"] for x in hi]), "ms", 25,
             "target", "ms", "<= 25 ms", lambda v, x: v <= 25)
+    for conns in (1, 4, 16):
+        ei = RES["samples"].get(f"emit.idem.{conns}")
+        ep = RES["samples"].get(f"emit.plain.{conns}")
+        tgt = (">= 0.9x", lambda v, x: x >= 0.9) if conns == 16 else ("", None)
+        add(f"emit, one event a transaction, {conns} connection{'s' if conns > 1 else ''}",
+            ei and statistics.median(ei), "events/s", ep and statistics.median(ep),
+            "the same row into a plain table", "events/s", *tgt)
     ce = RES.get("emit_ceiling")
     if ce:
         add("emitter, one event a transaction, 16 connections", ce["achieved_rate"], "events/s",
@@ -1117,7 +1160,7 @@ def main():
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "host": platform.node(), "cpus": os.cpu_count(), "load_start": load_avg(),
             "idem": A.idem, "have_idem": None}
-    phases = [("relay", phase_relay), ("consumer", phase_consumer),
+    phases = [("relay", phase_relay), ("consumer", phase_consumer), ("emit", phase_emit),
               ("latency", phase_latency), ("claim", phase_claim),
               ("scale-consumer", lambda: scale.phase_consumer(sys.modules[__name__])),
               ("scale-cluster", lambda: scale.phase_cluster(sys.modules[__name__]))]

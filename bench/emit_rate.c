@@ -8,6 +8,12 @@
  *   emit_rate --run NAME [--rate 1000] [--seconds 5] [--conns 4] [--subscriptions 500]
  *             [--per-tx 1]
  *
+ * With --plain TABLE, each event is the same row inserted into TABLE (a plain table of the
+ * outbox's shape and indexes, made by bench.py) instead of going through idem_emit: the limit
+ * idem_emit is measured against.
+ *
+ * With --rate 0, unpaced: every connection emits as fast as it can for --seconds.
+ *
  * With --per-tx K, events go K to a transaction (BEGIN, K calls, COMMIT), the transactions at
  * --rate / K a second: events i*K .. i*K+K-1 make transaction i, which is due at t0 + i*K/rate.
  *
@@ -32,7 +38,15 @@ static const char *SQL =
     " 'amount_cents', 4999, 'currency', 'EUR', 'reason', 'card_declined', 'bench_run', $2::text))"
     " FROM (SELECT md5('bench-sub-' || ($1::bigint % $3::int))::uuid AS s) x";
 
-static const char *conninfo, *run;
+static const char *PLAIN_FMT =
+    "INSERT INTO %s (event_id, subscription_id, event_type, payload)"
+    " SELECT md5($2::text || '-' || $1::bigint)::uuid, x.s, 'payment.failed',"
+    " jsonb_build_object('invoice_id', gen_random_uuid(), 'subscription_id', x.s,"
+    " 'amount_cents', 4999, 'currency', 'EUR', 'reason', 'card_declined', 'bench_run', $2::text)"
+    " FROM (SELECT md5('bench-sub-' || ($1::bigint % $3::int))::uuid AS s) x";
+
+static const char *conninfo, *run, *plain;
+static char plain_sql[1024];
 static double rate = 1000, seconds = 5;
 static long total, nsubs = 500;
 static int conns = 4, per_tx = 1;
@@ -70,7 +84,7 @@ static void *worker(void *arg)
         PQfinish(c);
         return NULL;
     }
-    PGresult *r = PQprepare(c, "emit", SQL, 3, NULL);
+    PGresult *r = PQprepare(c, "emit", plain ? plain_sql : SQL, 3, NULL);
     if (PQresultStatus(r) != PGRES_COMMAND_OK) {
         fprintf(stderr, "emit_rate: prepare: %s", PQerrorMessage(c));
         wk->failed = 1;
@@ -81,8 +95,15 @@ static void *worker(void *arg)
     PQclear(r);
     char ibuf[32], sbuf[32];
     snprintf(sbuf, sizeof sbuf, "%ld", nsubs);
-    long ntx = total / per_tx;
+    long ntx = rate > 0 ? total / per_tx : __LONG_MAX__;
     for (long t = wk->w; t < ntx && !wk->failed; t += conns) {
+        if (rate <= 0) {
+            struct timespec now;
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            if (ts_diff(&now, &t0) >= seconds)
+                break;
+            goto go; /* unpaced */
+        }
         double due = (double)t * per_tx / rate;
         struct timespec at = t0, now;
         long long ns = (long long)t0.tv_nsec + (long long)(due * 1e9);
@@ -98,6 +119,7 @@ static void *worker(void *arg)
             if (late > 0.005)
                 wk->late5++;
         }
+    go:
         if (per_tx > 1 && !command(c, "BEGIN")) {
             wk->failed = 1;
             break;
@@ -106,7 +128,7 @@ static void *worker(void *arg)
             snprintf(ibuf, sizeof ibuf, "%ld", i);
             const char *p[] = {ibuf, run, sbuf};
             r = PQexecPrepared(c, "emit", 3, p, NULL, NULL, 0);
-            if (PQresultStatus(r) != PGRES_TUPLES_OK) {
+            if (PQresultStatus(r) != (plain ? PGRES_COMMAND_OK : PGRES_TUPLES_OK)) {
                 fprintf(stderr, "emit_rate: idem_emit: %s", PQerrorMessage(c));
                 wk->failed = 1;
                 PQclear(r);
@@ -127,7 +149,7 @@ static void *worker(void *arg)
 static void usage(void)
 {
     fprintf(stderr, "usage: emit_rate --run NAME [--rate 1000] [--seconds 5] [--conns 4] "
-                    "[--subscriptions 500] [--per-tx 1]\n");
+                    "[--subscriptions 500] [--per-tx 1] [--plain TABLE]\n");
     exit(2);
 }
 
@@ -149,13 +171,21 @@ int main(int argc, char **argv)
             nsubs = atol(v);
         else if (strcmp(a, "--per-tx") == 0)
             per_tx = atoi(v);
+        else if (strcmp(a, "--plain") == 0)
+            plain = v;
         else
             usage();
         i++;
     }
-    if (run == NULL || rate <= 0 || seconds <= 0 || conns < 1 || conns > 64 || nsubs < 1 ||
+    if (run == NULL || rate < 0 || seconds <= 0 || conns < 1 || conns > 64 || nsubs < 1 ||
         per_tx < 1 || per_tx > 1000)
         usage();
+    if (plain != NULL) {
+        for (const char *k = plain; *k; k++)
+            if (!(*k == '_' || *k == '.' || (*k >= 'a' && *k <= 'z') || (*k >= '0' && *k <= '9')))
+                usage(); /* an identifier of bench.py's: interpolated into the statement */
+        snprintf(plain_sql, sizeof plain_sql, PLAIN_FMT, plain);
+    }
     conninfo = getenv("IDEM_PG_URL");
     if (conninfo == NULL)
         conninfo = "";
