@@ -25,6 +25,10 @@ Phases (all in one run, so the ratios compare figures taken under the same condi
   emit      idem_emit, one event a transaction, unpaced on 1, 4 and 16 connections, against the
             same transaction inserting the same row into a plain table of the outbox's shape
             and indexes (build/bench/emit_rate --plain), rounds alternating.
+  steady    the whole pipeline under a steady load: emit_rate at each of --steady-rates (one
+            event a transaction, 16 connections) for --steady-seconds with the relay and the
+            consumer running; the backlog (pending rows + queued messages) sampled every second;
+            the highest rate at which it stays bounded, and emit -> effect p50/p99 at each rate.
   latency   emit -> handler effect committed, at a steady --lat-rate (build/bench/emit_rate)
             and one event at a time (relay and consumer running as daemons); then the idle
             CPU of both over
@@ -143,6 +147,10 @@ def parse_args():
                          "transaction tops out near 1/commit time, since idem_emit's NOTIFY "
                          "makes PostgreSQL commit notifying transactions one at a time)")
     ap.add_argument("--emit-seconds", type=float, default=env_float("BENCH_EMIT_SECONDS", 5))
+    ap.add_argument("--steady-seconds", type=float,
+                    default=env_float("BENCH_STEADY_SECONDS", 60))
+    ap.add_argument("--steady-rates", default=os.environ.get("BENCH_STEADY_RATES",
+                                                             "1000,2000,3000,4000,5000"))
     ap.add_argument("--lat-seconds", type=float, default=env_float("BENCH_LAT_SECONDS", 5))
     ap.add_argument("--lat-rounds", type=int, default=env_int("BENCH_LAT_ROUNDS", 3))
     ap.add_argument("--idle-events", type=int, default=env_int("BENCH_IDLE_EVENTS", 40))
@@ -167,10 +175,13 @@ def parse_args():
         a.recipe_fill = min(a.recipe_fill, 3000)
         a.lat_seconds = min(a.lat_seconds, 2)
         a.emit_seconds = min(a.emit_seconds, 1)
+        a.steady_seconds = min(a.steady_seconds, 3)
+        a.steady_rates = "500,1000"
         a.lat_rounds = 1
         a.idle_events = min(a.idle_events, 10)
         a.idle_cpu_seconds = min(a.idle_cpu_seconds, 3)
         a.claim_sent = min(a.claim_sent, 100000)
+    a.steady_rates = [int(x) for x in a.steady_rates.replace(" ", ",").split(",") if x]
     a.relays = [int(x) for x in a.relays.replace(" ", ",").split(",") if x]
     a.only = set(x for x in a.only.replace(" ", ",").split(",") if x)
     scale.finish_args(a)
@@ -671,6 +682,78 @@ def phase_emit():
         truncate("event_outbox")
 
 
+def backlog():
+    """Events emitted but not applied yet, as cheaply as it can be read each second: pending
+    outbox rows (a partial index) plus the consumer queue's ready messages."""
+    pend = one("SELECT count(*) FROM event_outbox WHERE status = 'pending'")
+    return pend + max(q_depth("bench.consumer")["messages"], 0)
+
+
+def phase_steady():
+    """emit_rate at each rate of --steady-rates for --steady-seconds (one event a transaction,
+    16 connections) with the relay and the consumer running. Bounded: in the run's second half
+    the backlog never exceeds two seconds of events, and it drains within 10 s of the last
+    emit. The ladder stops at the first rate that is not bounded (or that the emitter itself
+    cannot reach)."""
+    if not have_idem():
+        return
+    truncate("event_outbox", "consumed_events", "dunning")
+    q("CHECKPOINT")
+    relay = spawn(relay_cmd(), "relay-steady")
+    cons = spawn(consumer_cmd(), "consumer-steady")
+    procs = [relay, cons]
+    RES["steady"] = []
+    try:
+        wait_for(lambda: q_depth("bench.consumer")["consumers"] >= 1, 30, "consumer ready",
+                 procs, 0.2)
+        time.sleep(1.0)
+        for rate in A.steady_rates:
+            run = f"steady-{rate}"
+            em = subprocess.Popen([tool("emit_rate"), "--rate", str(rate), "--seconds",
+                                   str(A.steady_seconds), "--run", run, "--conns", "16"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  stdin=subprocess.DEVNULL, cwd=ROOT)
+            t0, seen = time.monotonic(), []
+            while em.poll() is None:
+                time.sleep(1.0)
+                seen.append((time.monotonic() - t0, backlog()))
+            out_s, err_s = em.communicate()
+            if em.returncode != 0:
+                raise Failure(f"emit_rate exited {em.returncode}: {err_s.decode()[-500:]}")
+            out = json.loads([x for x in out_s.decode().splitlines() if x.strip()][-1])
+            t_end = time.monotonic()
+            drained = True
+            try:
+                H.wait_until(lambda: run_consumed(run)[0] == run_consumed(run)[1], 10, 0.2,
+                             "drained", procs)
+            except AssertionError:
+                drained = False
+            drain_s = time.monotonic() - t_end
+            if not drained:
+                wait_for(lambda: (lambda t: t[0] == t[1])(run_consumed(run)), 300,
+                         f"{run} drained", procs, 0.5)
+            half = [b for t, b in seen if t >= A.steady_seconds / 2] or [b for _, b in seen]
+            peak = max(half) if half else 0
+            reached = out["achieved_rate"] >= 0.95 * rate
+            bounded = reached and drained and peak <= 2 * rate
+            lat = latency_of(run, procs)
+            st = {"rate": rate, "achieved": out["achieved_rate"], "peak_backlog": peak,
+                  "drain_s": drain_s, "bounded": bounded, "p50": lat["p50"],
+                  "p99": lat["p99"], "max": lat["max"]}
+            RES["steady"].append(st)
+            log(f"steady {rate}/s for {A.steady_seconds:.0f} s: emitted {out['achieved_rate']:.0f}"
+                f"/s, backlog peak {peak} in the second half, drained {drain_s:.1f} s after the "
+                f"last emit, p50 {lat['p50']:.2f} ms, p99 {lat['p99']:.2f} ms, max "
+                f"{lat['max']:.2f} ms: {'bounded' if bounded else 'NOT bounded'}")
+            if not bounded:
+                break
+    finally:
+        for p in procs:
+            rc = stop(p)
+            if rc != 0:
+                check(f"{p.name} exit code after SIGTERM: {rc}")
+
+
 def phase_latency():
     if not have_idem():
         return
@@ -996,6 +1079,21 @@ def build_rows():
         add(f"emit, one event a transaction, {conns} connection{'s' if conns > 1 else ''}",
             ei and statistics.median(ei), "events/s", ep and statistics.median(ep),
             "the same row into a plain table", "events/s", *tgt)
+    steady = RES.get("steady") or []
+    ok = [x for x in steady if x["bounded"]]
+    top = max(ok, key=lambda x: x["rate"]) if ok else None
+    ei16 = RES["samples"].get("emit.idem.16")
+    add(f"steady end to end, highest bounded rate ({A.steady_seconds:.0f} s each)",
+        top and top["achieved"], "events/s", ei16 and statistics.median(ei16),
+        "emit alone, 16 connections", "events/s", ">= 0.8x", lambda v, x: x >= 0.8)
+    for x in steady:
+        tg = {1000: ((3, "<= 3 ms"), (10, "<= 10 ms")), 5000: (None, (25, "<= 25 ms"))}.get(
+            x["rate"])
+        for k, t in zip(("p50", "p99"), tg or (None, None)):
+            add(f"steady {x['rate']:,}/s, emit -> effect {k}"
+                f"{'' if x['bounded'] else ' (not bounded)'}", x[k], "ms",
+                t and t[0], "target" if t else "", "ms" if t else "", t[1] if t else "",
+                (lambda v, r, lim=t and t[0]: v <= lim) if t else None)
     ce = RES.get("emit_ceiling")
     if ce:
         add("emitter, one event a transaction, 16 connections", ce["achieved_rate"], "events/s",
@@ -1161,6 +1259,7 @@ def main():
             "host": platform.node(), "cpus": os.cpu_count(), "load_start": load_avg(),
             "idem": A.idem, "have_idem": None}
     phases = [("relay", phase_relay), ("consumer", phase_consumer), ("emit", phase_emit),
+              ("steady", phase_steady),
               ("latency", phase_latency), ("claim", phase_claim),
               ("scale-consumer", lambda: scale.phase_consumer(sys.modules[__name__])),
               ("scale-cluster", lambda: scale.phase_cluster(sys.modules[__name__]))]
