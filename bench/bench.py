@@ -651,7 +651,7 @@ def latency_round(run, rate, conns, procs, per_tx=1):
     return lat
 
 
-PLAIN = "bench_plain_outbox"
+PLAIN = "public.bench_plain_outbox"
 
 
 def phase_emit():
@@ -661,12 +661,12 @@ def phase_emit():
     if not have_idem():
         return
     q(f"DROP TABLE IF EXISTS {PLAIN}")
-    q(f"CREATE TABLE {PLAIN} (LIKE event_outbox INCLUDING ALL)")
+    q(f"CREATE TABLE {PLAIN} (LIKE idem.event_outbox INCLUDING ALL)")
     try:
         for conns in (1, 4, 16):
             for r in range(A.rounds):
                 for kind in ("idem", "plain"):
-                    truncate("event_outbox", PLAIN)
+                    truncate("idem.event_outbox", PLAIN)
                     q("CHECKPOINT")
                     run = f"emit-{kind}-{conns}-{r}"
                     args = [tool("emit_rate"), "--rate", "0", "--seconds", str(A.emit_seconds),
@@ -679,13 +679,13 @@ def phase_emit():
                         f"{out['achieved_rate']:.0f} events/s")
     finally:
         q(f"DROP TABLE IF EXISTS {PLAIN}")
-        truncate("event_outbox")
+        truncate("idem.event_outbox")
 
 
 def backlog():
     """Events emitted but not applied yet, as cheaply as it can be read each second: pending
     outbox rows (a partial index) plus the consumer queue's ready messages."""
-    pend = one("SELECT count(*) FROM event_outbox WHERE status = 'pending'")
+    pend = one("SELECT count(*) FROM idem.event_outbox WHERE status = 'pending'")
     return pend + max(q_depth("bench.consumer")["messages"], 0)
 
 
@@ -697,7 +697,7 @@ def phase_steady():
     cannot reach)."""
     if not have_idem():
         return
-    truncate("event_outbox", "consumed_events", "dunning")
+    truncate("idem.event_outbox", "idem.consumed_events", "billing.dunning")
     q("CHECKPOINT")
     relay = spawn(relay_cmd(), "relay-steady")
     cons = spawn(consumer_cmd(), "consumer-steady")

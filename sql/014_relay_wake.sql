@@ -1,28 +1,32 @@
--- Emitting at the database's pace.
+-- Emitting at the database's pace, and no lock another role can take.
 --
 -- idem_relay_idle: a relay that found nothing to do for a while writes the row of its control
 -- connection here and waits for a NOTIFY; a busy relay deletes it and polls every few
--- milliseconds. idem_emit notifies only while a row is here, so emitters' commits are not
--- serialised by the NOTIFY queue's lock while relays are busy. Unlogged: only a hint (a stale row
--- makes emitters notify, as they always did).
-CREATE UNLOGGED TABLE idem_relay_idle (
+-- milliseconds (src/relay_wake.c). idem_emit notifies only while a row is here, so emitters'
+-- commits are not serialised by the NOTIFY queue's lock while relays are busy. Unlogged: only a
+-- hint (a stale row makes emitters notify, as they always did).
+CREATE UNLOGGED TABLE idem.idem_relay_idle (
     pid integer PRIMARY KEY,
     since timestamptz NOT NULL DEFAULT now()
 );
 
 -- idem_emit_locks: one row per subscription that ever emitted, locked (FOR UPDATE) by idem_emit to
 -- the end of the emitting transaction, so that seq order is commit order within a subscription.
--- It replaces an advisory lock, which any role that can connect could take and hold.
-CREATE TABLE idem_emit_locks (
+-- It replaces an advisory lock, which any role that can connect could take and hold; a row lock
+-- needs UPDATE on the table, which only idem's owner has.
+CREATE TABLE idem.idem_emit_locks (
     subscription_id uuid PRIMARY KEY
 );
-INSERT INTO idem_emit_locks (subscription_id)
-SELECT DISTINCT subscription_id FROM event_outbox ON CONFLICT DO NOTHING;
+INSERT INTO idem.idem_emit_locks (subscription_id)
+SELECT DISTINCT subscription_id FROM idem.event_outbox ON CONFLICT DO NOTHING;
 
-CREATE OR REPLACE FUNCTION idem_emit(event_type text, subscription_id uuid, dedup_key text, payload jsonb,
-                          headers jsonb DEFAULT NULL)
+CREATE OR REPLACE FUNCTION idem.idem_emit(event_type text, subscription_id uuid, dedup_key text, payload jsonb,
+                               headers jsonb DEFAULT NULL)
 RETURNS uuid
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, idem, pg_temp
+AS $$
 DECLARE
     v_event_id uuid;
     v_type text;
@@ -109,7 +113,7 @@ BEGIN
     VALUES (v_event_id, idem_emit.subscription_id, idem_emit.event_type, idem_emit.payload,
             idem_emit.headers)
     ON CONFLICT ON CONSTRAINT event_outbox_event_id_key DO NOTHING;
-    -- wake a relay only if one waits for it (relay_wake.c): a NOTIFY makes PostgreSQL commit
+    -- wake a relay only if one waits for it (src/relay_wake.c): a NOTIFY makes PostgreSQL commit
     -- notifying transactions one at a time; a busy relay polls
     IF FOUND AND EXISTS (SELECT 1 FROM idem_relay_idle) THEN
         PERFORM pg_notify('idem_outbox', '');
@@ -119,13 +123,9 @@ END
 $$;
 
 DO $$
-DECLARE
-    s text := quote_ident(current_schema());
 BEGIN
-    EXECUTE format('ALTER FUNCTION idem_emit(text, uuid, text, jsonb, jsonb) SECURITY DEFINER '
-                   'SET search_path = %s, pg_temp', s);
-    IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'idem_relay') THEN
-        GRANT SELECT, INSERT, DELETE ON idem_relay_idle TO idem_relay;
+    IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'idem_relay') THEN
+        GRANT SELECT, INSERT, DELETE ON idem.idem_relay_idle TO idem_relay;
     END IF;
 END
 $$;

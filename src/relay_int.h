@@ -85,7 +85,7 @@ struct idem_relay {
     int64_t pg_wait_until; /* after a failed statement: no claim before this */
     int pg_failures;
     bool schema_checked; /* the database is migrated to what this relay needs */
-    bool want_claim; /* rows are probably due: claim when a slot is free */
+    bool want_claim;     /* rows are probably due: claim when a slot is free */
     /* relay_wake.c: while busy (rows found or a NOTIFY lately) the relay polls every fast_poll_ms
      * and emitters do not NOTIFY; once quiet it says it is idle (a row of idem_relay_idle) */
     int64_t busy_until_ms, fast_poll_ms;

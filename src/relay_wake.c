@@ -22,11 +22,13 @@
 #define FAST_POLL_MAX_MS 16
 
 #define SQL_IDLE                                                                                   \
-    "INSERT INTO idem_relay_idle (pid) VALUES (pg_backend_pid()) ON CONFLICT (pid) DO NOTHING"
-#define SQL_BUSY "DELETE FROM idem_relay_idle WHERE pid = pg_backend_pid()"
+    "INSERT INTO idem.idem_relay_idle (pid) VALUES (pg_catalog.pg_backend_pid()) ON CONFLICT "     \
+    "(pid) DO NOTHING"
+#define SQL_BUSY "DELETE FROM idem.idem_relay_idle WHERE pid = pg_catalog.pg_backend_pid()"
 #define SQL_GONE                                                                                   \
-    "DELETE FROM idem_relay_idle i WHERE NOT EXISTS"                                               \
-    " (SELECT 1 FROM pg_stat_activity a WHERE a.pid = i.pid AND a.pid <> pg_backend_pid())"
+    "DELETE FROM idem.idem_relay_idle i WHERE NOT EXISTS"                                          \
+    " (SELECT 1 FROM pg_catalog.pg_stat_activity a WHERE a.pid = i.pid AND a.pid <> "              \
+    "pg_catalog.pg_backend_pid())"
 
 static const char *const LOGC = "relay";
 

@@ -148,7 +148,7 @@ def test_notify_delivered_only_at_commit(db):
     with db.connect() as listener:
         with listener.cursor() as cur:
             cur.execute("LISTEN idem_outbox")
-            cur.execute("INSERT INTO idem_relay_idle (pid) VALUES (pg_backend_pid())")
+            cur.execute("INSERT INTO idem.idem_relay_idle (pid) VALUES (pg_backend_pid())")
 
         # Rolled back: nothing, ever.
         with db.connect(autocommit=False) as conn:

@@ -18,15 +18,15 @@ __all__ = ["relay_daemons"]
 
 
 def idle_rows(db):
-    return db.count("idem_relay_idle")
+    return db.count("idem.idem_relay_idle")
 
 
 def sent_at_latency(db, event_id, t_commit, timeout=10):
     """Seconds from t_commit (time.time()) until the row of event_id is marked sent."""
-    wait_until(lambda: db.scalar("SELECT status FROM event_outbox WHERE event_id = %s::uuid",
+    wait_until(lambda: db.scalar("SELECT status FROM idem.event_outbox WHERE event_id = %s::uuid",
                                  event_id) == "sent", timeout, 0.005,
                f"event {event_id} sent")
-    sent = db.scalar("SELECT extract(epoch FROM sent_at) FROM event_outbox"
+    sent = db.scalar("SELECT extract(epoch FROM sent_at) FROM idem.event_outbox"
                      " WHERE event_id = %s::uuid", event_id)
     return float(sent) - t_commit
 
@@ -79,7 +79,7 @@ def test_busy_relay_is_not_notified_and_an_idle_one_is(db, servers, broker, queu
             ids.append(emit(db, "payment.failed", sub, f"w:{new_id()}",
                             payload(subscription_id=sub, n=i)))
             time.sleep(0.002)
-        wait_until(lambda: db.count("event_outbox", "status = 'sent'") == 301, 20, 0.05,
+        wait_until(lambda: db.count("idem.event_outbox", "status = 'sent'") == 301, 20, 0.05,
                    "all 301 sent")
         notifies = listener.count - 1
         print(f"\nfirst event after idle: {first * 1000:.1f} ms; NOTIFYs for 300 emits while "
@@ -126,10 +126,10 @@ def test_stale_idle_row_of_a_killed_relay_is_cleared(db, servers, broker, queue,
     first.proc.kill()
     first.proc.wait()
     # the killed relay's connection is gone (its row stays, only a hint)
-    pid = db.scalar("SELECT pid FROM idem_relay_idle")
+    pid = db.scalar("SELECT pid FROM idem.idem_relay_idle")
     wait_until(lambda: db.count("pg_stat_activity", "pid = %s", pid) == 0, 10, 0.05,
                "the killed relay's connection gone")
     assert idle_rows(db) == 1
     relay_daemons(name="next", wait_ready=True)
-    wait_until(lambda: db.scalar("SELECT count(*) FROM idem_relay_idle WHERE pid = %s",
+    wait_until(lambda: db.scalar("SELECT count(*) FROM idem.idem_relay_idle WHERE pid = %s",
                                  pid) == 0, 10, 0.05, "the stale idle row deleted")
