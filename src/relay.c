@@ -185,27 +185,6 @@ static int once_connect_pg(idemp_pg_t *pg, idem_error_t *err)
     return idemp_pg_connected(pg) ? IDEM_OK : idemp_pg_connect(pg, err);
 }
 
-/* Once, on the first connection: is the database migrated to what this relay needs?
- * IDEM_ERR_NOT_FOUND (or REFUSED) ends the run; a failure to ask is asked again. */
-static int check_schema(idem_relay_t *r, idem_error_t *err)
-{
-    for (int i = 0; i < r->nslots && !r->schema_checked; i++) {
-        PGconn *conn = idemp_pg_conn(r->slots[i].pg);
-        if (conn == NULL || r->slots[i].phase != SLOT_FREE)
-            continue;
-        idem_error_t e = {0};
-        int rc = idemp_pg_schema_check(conn, NULL, &e);
-        if (rc == IDEM_ERR_NOT_FOUND || rc == IDEM_ERR_REFUSED)
-            return idem_error_set(err, IDEM_ERR_NOT_FOUND, "%s", e.text);
-        if (rc != IDEM_OK) {
-            idemp_pg_disconnect(r->slots[i].pg, e.text);
-            return r->cfg.once ? idem_error_set(err, rc, "%s", e.text) : IDEM_OK;
-        }
-        r->schema_checked = true;
-    }
-    return IDEM_OK;
-}
-
 /* PostgreSQL: the free slots' connections, and (as a daemon, or with metrics) the control
  * connection. In once mode one attempt, its failure returned; as a daemon with backoff, each
  * connection on its own (a slot whose connection is down is not used meanwhile). */
@@ -236,7 +215,8 @@ static int ensure_pg(idem_relay_t *r, idem_error_t *err)
             wake(r); /* rows may have come while nobody listened */
         }
     }
-    return check_schema(r, err); /* the control connection is not needed to publish */
+    /* the control connection is not needed to publish */
+    return idemp_relay_check_schema(r, err);
 }
 
 static int ensure_amqp(idem_relay_t *r, idem_error_t *err)

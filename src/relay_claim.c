@@ -1,7 +1,8 @@
 /* relay_claim.c - the relay's claim: whole subscriptions, by locking each one's first pending row
  * (its head), then their rows in seq order with a fresh snapshot, kept only as gapless runs from
  * each subscription's head. Each step is a pipeline sent without waiting; the loop (relay.c) hands
- * its answer to idemp_relay_claim_step. */
+ * its answer to idemp_relay_claim_step. Before the first claim: is the database migrated to what
+ * the relay needs? */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -293,4 +294,23 @@ int idemp_relay_claim_step(idem_relay_t *r, slot_t *sl, idemp_rows_t **rows, siz
     rc = idemp_relay_publish(r, sl, err);
     sl->t_pub = idemp_now_ms();
     return rc;
+}
+
+int idemp_relay_check_schema(idem_relay_t *r, idem_error_t *err)
+{
+    for (int i = 0; i < r->nslots && !r->schema_checked; i++) {
+        PGconn *conn = idemp_pg_conn(r->slots[i].pg);
+        if (conn == NULL || r->slots[i].phase != SLOT_FREE)
+            continue;
+        idem_error_t e = {0};
+        int rc = idemp_pg_schema_check(conn, NULL, &e);
+        if (rc == IDEM_ERR_NOT_FOUND || rc == IDEM_ERR_REFUSED)
+            return idem_error_set(err, IDEM_ERR_NOT_FOUND, "%s", e.text);
+        if (rc != IDEM_OK) {
+            idemp_pg_disconnect(r->slots[i].pg, e.text);
+            return r->cfg.once ? idem_error_set(err, rc, "%s", e.text) : IDEM_OK;
+        }
+        r->schema_checked = true;
+    }
+    return IDEM_OK;
 }

@@ -180,4 +180,9 @@ size_t idemp_relay_unconfirmed(const idem_relay_t *r);
 /* relay.c */
 void idemp_relay_update_gauge(idem_relay_t *r, bool force);
 
+/* Once, on the first connection (relay.c's ensure_pg): is the database migrated to what this
+ * relay needs (idemp_pg_schema_check)? IDEM_ERR_NOT_FOUND ends the run; a failure to ask drops
+ * that connection and is asked again (once mode: returned). */
+int idemp_relay_check_schema(idem_relay_t *r, idem_error_t *err);
+
 #endif
