@@ -2,6 +2,7 @@
 # Plain Makefile: explicit source lists, generated header dependencies.
 
 PREFIX ?= /usr/local
+LIBDIR ?= $(PREFIX)/lib
 BUILD ?= build
 CC ?= cc
 SAN ?=
@@ -14,11 +15,21 @@ PKGS := libpq librabbitmq jansson openssl
 PKG_CFLAGS = $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 PKG_LIBS = $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 
+# CPPFLAGS, CFLAGS and LDFLAGS from the environment or the command line are added to what the
+# build needs (the project's include paths come first, so the checkout's headers win over an
+# installed idem's). -Werror is the project's own checks' (make test, make check, make sanitize
+# pass WERROR=1), never a packager's plain `make` with another compiler.
 STD_CFLAGS := -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE
-WARN := -Wall -Wextra -Wstrict-prototypes -Wwrite-strings -Wshadow -Wno-unused-parameter -Werror
+WARN := -Wall -Wextra -Wstrict-prototypes -Wwrite-strings -Wshadow -Wno-unused-parameter
+WERROR ?= 0
+ifeq ($(WERROR),1)
+WARN += -Werror
+endif
 CFLAGS ?= -O2 -g
-ALL_CFLAGS = $(STD_CFLAGS) $(WARN) $(CFLAGS) -fPIC \
-	-Iinclude -Isrc -Ihandlers $(PKG_CFLAGS) -MMD -MP
+CPPFLAGS ?=
+LDFLAGS ?=
+ALL_CFLAGS = -Iinclude -Isrc -Ihandlers $(STD_CFLAGS) $(WARN) $(CPPFLAGS) $(CFLAGS) -fPIC \
+	$(PKG_CFLAGS) -MMD -MP
 ifneq ($(SAN),)
 SANFLAGS = -fsanitize=$(SAN) -fno-omit-frame-pointer
 ALL_CFLAGS += $(SANFLAGS)
@@ -131,7 +142,7 @@ $(BUILD)/libidem.a: $(LIB_OBJS)
 # SONAME libidem.so.$(SOMAJOR); src/libidem.map exports the idem_* symbols and nothing else.
 $(BUILD)/libidem.so.$(VERSION): $(LIB_OBJS) src/libidem.map
 	$(CC) -shared -Wl,-soname,libidem.so.$(SOMAJOR) -Wl,--version-script=src/libidem.map \
-		-o $@ $(LIB_OBJS) $(LDSAN) $(LDLIBS_ALL)
+		-o $@ $(LIB_OBJS) $(LDFLAGS) $(LDSAN) $(LDLIBS_ALL)
 
 $(BUILD)/libidem.so.$(SOMAJOR) $(BUILD)/libidem.so: $(BUILD)/libidem.so.$(VERSION)
 	ln -sf libidem.so.$(VERSION) $@
@@ -143,7 +154,7 @@ $(BUILD)/libidem.so.$(SOMAJOR) $(BUILD)/libidem.so: $(BUILD)/libidem.so.$(VERSIO
 # and nothing else. Rewritten only when its text changes.
 $(BUILD)/idem-uninstalled.pc: idem.pc.in FORCE
 	@mkdir -p $(dir $@)
-	@{ printf 'cc=%s\ncflags=%s\n' '$(CC)' '$(STD_CFLAGS) $(WARN)'; \
+	@{ printf 'cc=%s\ncflags=%s\n' '$(CC)' '$(STD_CFLAGS) $(filter-out -Werror,$(WARN)) -Werror'; \
 	  sed -e 's|^prefix=.*|prefix=$(CURDIR)|' -e 's|^libdir=.*|libdir=$(abspath $(BUILD))|' \
 	    -e 's|^includedir=.*|includedir=$${prefix}/include|' -e 's|@VERSION@|$(VERSION)|g' \
 	    -e 's|^Cflags: .*|&$(if $(SANFLAGS), $(SANFLAGS))|' \
@@ -153,7 +164,7 @@ $(BUILD)/idem-uninstalled.pc: idem.pc.in FORCE
 	@if cmp -s $@.tmp $@; then rm -f $@.tmp; else mv $@.tmp $@; fi
 
 $(BUILD)/idem: $(CLI_OBJS) $(HANDLER_OBJS) $(BUILD)/libidem.a
-	$(CC) -o $@ $(CLI_OBJS) $(HANDLER_OBJS) $(BUILD)/libidem.a $(LDSAN) $(LDLIBS_ALL)
+	$(CC) -o $@ $(CLI_OBJS) $(HANDLER_OBJS) $(BUILD)/libidem.a $(LDFLAGS) $(LDSAN) $(LDLIBS_ALL)
 
 # A unit test links what it tests: its own objects below, and from the static library only the
 # members it references.
@@ -163,7 +174,7 @@ UNIT_OBJS_test_billing_payload := $(BUILD)/handlers/billing_payload.o
 $(BUILD)/tests/unit/%: tests/unit/%.c $(HANDLER_OBJS) $(CLI_OBJS) $(BUILD)/libidem.a
 	@mkdir -p $(dir $@)
 	$(CC) $(ALL_CFLAGS) -Isrc/cli -Ihandlers -o $@ $< $(UNIT_OBJS_$*) $(BUILD)/libidem.a \
-		$(LDSAN) $(LDLIBS_ALL) -lcmocka
+		$(LDFLAGS) $(LDSAN) $(LDLIBS_ALL) -lcmocka
 
 unit: $(UNIT_BINS)
 	@failed=0; for t in $(UNIT_BINS); do $$t || failed=1; done; exit $$failed
@@ -177,11 +188,11 @@ deps:
 # exactly those; .ci/run runs both, `make integration` all of them at once.
 SLOW_TESTS = cluster or slow
 test: deps
-	$(MAKE) all unit arch
+	$(MAKE) WERROR=1 all unit arch
 	scripts/integration.sh -m "not ($(SLOW_TESTS))" --durations=15
 
 test-slow: deps
-	$(MAKE) all
+	$(MAKE) WERROR=1 all
 	scripts/integration.sh -m "$(SLOW_TESTS)" --durations=15
 
 # The module graph: no cycle, no upward include, the client libraries only in their adapters.
@@ -196,7 +207,7 @@ integration: all
 # The same suites against an AddressSanitizer + UndefinedBehaviorSanitizer build in build-san/;
 # reports go to build-san/reports/ and fail the target.
 sanitize: deps
-	$(MAKE) BUILD=build-san SAN=address,undefined CFLAGS="-O1 -g" all unit
+	$(MAKE) BUILD=build-san SAN=address,undefined CFLAGS="-O1 -g" WERROR=1 all unit
 	rm -rf build-san/reports && mkdir -p build-san/reports
 	IDEM_BIN=$(CURDIR)/build-san/idem IDEM_SQL_DIR=$(CURDIR)/sql \
 	ASAN_OPTIONS=log_path=$(CURDIR)/build-san/reports/asan:verify_asan_link_order=0 \
@@ -237,38 +248,63 @@ chaos-all: deps
 	$(MAKE) all
 	/usr/bin/python3 scripts/chaos.py --seeds "$(or $(SEEDS),1 2 3 4 5)" $(CHAOS_ARGS)
 
+# Where `make install` puts things (DESTDIR stages them; PREFIX and LIBDIR are what the installed
+# files name). `make uninstall` removes exactly these files, and no directory.
+BINDIR = $(PREFIX)/bin
+INCDIR = $(PREFIX)/include/idem
+DATADIR = $(PREFIX)/share/idem
+MAN1DIR = $(PREFIX)/share/man/man1
+PCDIR = $(LIBDIR)/pkgconfig
+PC_LIBDIR = $(patsubst $(PREFIX)/%,$${prefix}/%,$(LIBDIR))
+KIT_UNITS = idem-relay.service idem-consume@.service
+INSTALLED = $(BINDIR)/idem $(LIBDIR)/libidem.a $(LIBDIR)/libidem.so.$(VERSION) \
+	$(LIBDIR)/libidem.so.$(SOMAJOR) $(LIBDIR)/libidem.so $(PCDIR)/idem.pc \
+	$(addprefix $(INCDIR)/,$(notdir $(wildcard include/idem/*.h))) \
+	$(addprefix $(DATADIR)/sql/,$(notdir $(wildcard sql/*.sql))) \
+	$(addprefix $(DATADIR)/sql/billing/,$(notdir $(wildcard sql/billing/*.sql))) \
+	$(addprefix $(DATADIR)/systemd/,$(KIT_UNITS) idem.sysusers.conf) \
+	$(addprefix $(DATADIR)/env/,$(notdir $(wildcard deploy/env/*.env.example))) \
+	$(DATADIR)/idem.1 $(MAN1DIR)/idem.1 $(DATADIR)/grafana-idem.json
+
+.PHONY: uninstall
 install: all
-	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib/pkgconfig \
-		$(DESTDIR)$(PREFIX)/include/idem $(DESTDIR)$(PREFIX)/share/idem/sql/billing
-	install -m755 $(BUILD)/idem $(DESTDIR)$(PREFIX)/bin/idem
-	install -m644 $(BUILD)/libidem.a $(DESTDIR)$(PREFIX)/lib/libidem.a
-	install -m755 $(BUILD)/libidem.so.$(VERSION) $(DESTDIR)$(PREFIX)/lib/libidem.so.$(VERSION)
-	ln -sf libidem.so.$(VERSION) $(DESTDIR)$(PREFIX)/lib/libidem.so.$(SOMAJOR)
-	ln -sf libidem.so.$(VERSION) $(DESTDIR)$(PREFIX)/lib/libidem.so
-	install -m644 include/idem/*.h $(DESTDIR)$(PREFIX)/include/idem/
-	install -m644 sql/*.sql $(DESTDIR)$(PREFIX)/share/idem/sql/
-	install -m644 sql/billing/*.sql $(DESTDIR)$(PREFIX)/share/idem/sql/billing/
-	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' idem.pc.in > $(BUILD)/idem.pc
-	install -m644 $(BUILD)/idem.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig/idem.pc
+	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIBDIR) $(DESTDIR)$(PCDIR) \
+		$(DESTDIR)$(INCDIR) $(DESTDIR)$(DATADIR)/sql/billing
+	install -m755 $(BUILD)/idem $(DESTDIR)$(BINDIR)/idem
+	install -m644 $(BUILD)/libidem.a $(DESTDIR)$(LIBDIR)/libidem.a
+	install -m755 $(BUILD)/libidem.so.$(VERSION) $(DESTDIR)$(LIBDIR)/libidem.so.$(VERSION)
+	ln -sf libidem.so.$(VERSION) $(DESTDIR)$(LIBDIR)/libidem.so.$(SOMAJOR)
+	ln -sf libidem.so.$(VERSION) $(DESTDIR)$(LIBDIR)/libidem.so
+	install -m644 include/idem/*.h $(DESTDIR)$(INCDIR)/
+	install -m644 sql/*.sql $(DESTDIR)$(DATADIR)/sql/
+	install -m644 sql/billing/*.sql $(DESTDIR)$(DATADIR)/sql/billing/
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@LIBDIR@|$(PC_LIBDIR)|g' -e 's|@VERSION@|$(VERSION)|g' \
+		idem.pc.in > $(BUILD)/idem.pc
+	install -m644 $(BUILD)/idem.pc $(DESTDIR)$(PCDIR)/idem.pc
 
 # The deployment kit (deploy/): systemd units and a sysusers.d entry, example environment files,
 # the man page, the Grafana dashboard.
-KIT_DIR = $(DESTDIR)$(PREFIX)/share/idem
-KIT_SED = sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@BINDIR@|$(PREFIX)/bin|g' \
-	-e 's|@DATADIR@|$(PREFIX)/share/idem|g' -e 's|@VERSION@|$(VERSION)|g'
+KIT_DIR = $(DESTDIR)$(DATADIR)
+KIT_SED = sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@BINDIR@|$(BINDIR)|g' \
+	-e 's|@DATADIR@|$(DATADIR)|g' -e 's|@VERSION@|$(VERSION)|g'
 
 .PHONY: install-kit
 install: install-kit
 install-kit:
-	install -d $(KIT_DIR)/systemd $(KIT_DIR)/env $(DESTDIR)$(PREFIX)/share/man/man1
-	for f in idem-relay.service idem-consume@.service; do \
+	install -d $(KIT_DIR)/systemd $(KIT_DIR)/env $(DESTDIR)$(MAN1DIR)
+	for f in $(KIT_UNITS); do \
 		$(KIT_SED) deploy/systemd/$$f.in > $(KIT_DIR)/systemd/$$f && \
 		chmod 644 $(KIT_DIR)/systemd/$$f || exit 1; done
 	install -m644 deploy/systemd/idem.sysusers.conf $(KIT_DIR)/systemd/
 	install -m644 deploy/env/*.env.example $(KIT_DIR)/env/
 	$(KIT_SED) deploy/idem.1.in > $(KIT_DIR)/idem.1 && chmod 644 $(KIT_DIR)/idem.1
-	install -m644 $(KIT_DIR)/idem.1 $(DESTDIR)$(PREFIX)/share/man/man1/idem.1
+	install -m644 $(KIT_DIR)/idem.1 $(DESTDIR)$(MAN1DIR)/idem.1
 	install -m644 deploy/grafana/grafana-idem.json $(KIT_DIR)/
+
+# Removes the files `install` put there (with the same DESTDIR, PREFIX and LIBDIR), nothing else:
+# directories stay, as they may hold other packages' files.
+uninstall:
+	rm -f $(addprefix $(DESTDIR),$(INSTALLED))
 
 FORMAT_FILES = $(wildcard src/*.c src/*.h src/cli/*.c src/cli/*.h include/idem/*.h \
 	handlers/*.c handlers/*.h tests/unit/*.c bench/*.c bench/*.h)

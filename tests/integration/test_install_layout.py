@@ -159,3 +159,94 @@ def test_installed_modes_do_not_follow_the_umask(tmp_path):
                     assert mode == 0o755, f"{rel} is {mode:04o}"
                 else:
                     assert mode == 0o644, f"{rel} is {mode:04o}"
+
+
+def make(*args, env=None, timeout=900):
+    r = subprocess.run(["make", "--no-print-directory", "-C", REPO, *args], capture_output=True,
+                       text=True, timeout=timeout, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def tree(root):
+    """(files and symlinks, directories) under root, relative to it."""
+    files, dirs = set(), set()
+    for d, ds, fs in os.walk(root):
+        for name in fs + [x for x in ds if os.path.islink(os.path.join(d, x))]:
+            files.add(os.path.relpath(os.path.join(d, name), root))
+        dirs |= {os.path.relpath(os.path.join(d, x), root) for x in ds
+                 if not os.path.islink(os.path.join(d, x))}
+    return files, dirs
+
+
+def test_libdir_then_uninstall_leaves_nothing(tmp_path):
+    """LIBDIR puts the libraries and idem.pc where a distribution wants them (idem.pc says so);
+    `make uninstall` with the same variables removes every installed file and nothing else (a
+    file of another package in a shared directory stays, so do the directories)."""
+    from install_helpers import require_default_build
+    require_default_build()
+    dest = str(tmp_path / "stage")
+    other = os.path.join(dest, "usr", "share", "man", "man1", "other.1")
+    os.makedirs(os.path.dirname(other))
+    with open(other, "w") as f:
+        f.write("another package's page\n")
+    libdir = "/usr/lib/x86_64-linux-gnu"
+    make("-s", "install", f"DESTDIR={dest}", "PREFIX=/usr", f"LIBDIR={libdir}")
+    files, _ = tree(dest)
+    rel_lib = libdir.lstrip("/")
+    for name in ("libidem.a", "libidem.so", f"libidem.so.{SOMAJOR}", f"libidem.so.{VERSION}",
+                 "pkgconfig/idem.pc"):
+        assert f"{rel_lib}/{name}" in files, name
+    assert not any(f.startswith("usr/lib/lib") or f.startswith("usr/lib/pkgconfig")
+                   for f in files), sorted(files)
+    with open(os.path.join(dest, rel_lib, "pkgconfig", "idem.pc")) as f:
+        pc = f.read()
+    assert re.search(r"^libdir=\$\{prefix\}/lib/x86_64-linux-gnu$", pc, re.M), pc
+    env = dict(os.environ, PKG_CONFIG_PATH=os.path.join(dest, rel_lib, "pkgconfig"),
+               PKG_CONFIG_SYSROOT_DIR=dest)
+    libs = subprocess.run(["pkg-config", "--libs", "idem"], capture_output=True, text=True,
+                          env=env, check=True).stdout.split()
+    assert f"-L{dest}{libdir}" in libs, libs
+
+    make("-s", "uninstall", f"DESTDIR={dest}", "PREFIX=/usr", f"LIBDIR={libdir}")
+    files, dirs = tree(dest)
+    print(f"after uninstall: files {sorted(files)}, {len(dirs)} directories")
+    assert files == {"usr/share/man/man1/other.1"}, sorted(files)
+    assert "usr/share/man/man1" in dirs
+
+
+def dry_run(*args, env=None):
+    """The commands `make -n -B all` would run into a scratch build directory."""
+    out = make("-n", "-B", "BUILD=build-dryrun", *args, "all", env=env).replace("\\\n", " ")
+    compiles = [ln for ln in out.splitlines() if " -c " in ln and ln.split()[0].endswith("cc")]
+    links = [ln for ln in out.splitlines()
+             if ln.split()[:1] and ln.split()[0].endswith("cc") and " -c " not in ln]
+    assert compiles and links, out[:2000]
+    return compiles, links
+
+
+def test_packager_flags_are_honoured_and_no_werror():
+    """CPPFLAGS, CFLAGS and LDFLAGS from the command line or the environment reach every compile
+    and link line, beside the flags the build needs (C11, -fPIC, the checkout's headers first);
+    a plain `make` has no -Werror (a packager's newer compiler may warn), the project's checks
+    (WERROR=1, as make test passes) have it."""
+    compiles, links = dry_run("CPPFLAGS=-DIDEM_TEST_MARK", "CFLAGS=-O1 -g3",
+                              "LDFLAGS=-Wl,-z,relro -Wl,--build-id")
+    print(f"{len(compiles)} compile lines, {len(links)} link lines; e.g.\n{compiles[0]}")
+    for ln in compiles:
+        flags = ln.split()
+        assert "-DIDEM_TEST_MARK" in flags, ln
+        assert "-O1" in flags and "-g3" in flags, ln
+        assert "-std=c11" in flags and "-fPIC" in flags, ln
+        assert flags.index("-Iinclude") < flags.index("-DIDEM_TEST_MARK"), ln
+        assert "-Werror" not in flags, ln
+    for ln in links:
+        assert "-Wl,-z,relro" in ln.split() and "-Wl,--build-id" in ln.split(), ln
+
+    env = dict(os.environ, CPPFLAGS="-DIDEM_TEST_MARK_ENV", LDFLAGS="-Wl,--as-needed")
+    compiles, links = dry_run(env=env)
+    assert all("-DIDEM_TEST_MARK_ENV" in ln.split() for ln in compiles), compiles[0]
+    assert all("-Wl,--as-needed" in ln.split() for ln in links), links[0]
+
+    compiles, _ = dry_run("WERROR=1")
+    assert all("-Werror" in ln.split() for ln in compiles), compiles[0]
