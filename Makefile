@@ -47,6 +47,7 @@ LIB_SRCS := \
 	src/clock.c \
 	src/uuid.c \
 	src/fault.c \
+	src/notify.c \
 	src/pg.c \
 	src/pg_pipeline.c \
 	src/pg_where.c \
@@ -71,11 +72,13 @@ LIB_SRCS := \
 	src/consumer_topology.c \
 	src/consumer_tx.c \
 	src/consumer_window.c \
+	src/consumer_ops.c \
 	src/outbox.c \
 	src/relay.c \
 	src/relay_claim.c \
 	src/relay_wake.c \
 	src/relay_batch.c \
+	src/relay_ops.c \
 	src/migrate.c \
 	src/retain.c \
 	src/status.c \

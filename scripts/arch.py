@@ -32,7 +32,7 @@ LAYERS = [
     ("adapters", ["pg", "rmq", "metrics"]),
     ("wire format", ["envelope"]),
     ("utilities", ["error", "log", "mask", "duration", "backoff", "clock", "uuid", "fault",
-                   "host"]),
+                   "host", "notify"]),
 ]
 ADAPTER_LIBS = {"pg": re.compile(r"#include <libpq-fe\.h>"),
                 "rmq": re.compile(r"#include <amqp[a-z_]*\.h>|#include <openssl/")}

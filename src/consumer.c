@@ -395,6 +395,8 @@ int idem_consumer_run(idem_consumer_t *c, idem_error_t *err)
     }
     int result = IDEM_OK;
     while (!idemp_consumer_stopping(c)) {
+        if (c->cfg.reload != NULL && *c->cfg.reload)
+            idemp_consumer_reload(c);
         if (!c->sql_checked && ensure_pg(c)) {
             idem_error_t e = {0};
             result = idemp_consumer_check_sql(c, &e);
@@ -410,6 +412,8 @@ int idem_consumer_run(idem_consumer_t *c, idem_error_t *err)
             result = rc;
             break;
         }
+        idemp_consumer_watch_pg(c);
+        idemp_consumer_report(c);
         if (rc != IDEM_OK) {
             int64_t wait = idemp_amqp_retry_in_ms(c->in);
             idemp_sleep_ms(wait < 50 ? 50 : wait > TICK_MS ? TICK_MS : wait, c->cfg.stop);
@@ -418,6 +422,7 @@ int idem_consumer_run(idem_consumer_t *c, idem_error_t *err)
         step(c, pick);
     }
     free(pick);
+    idemp_consumer_stopping_told(c);
     tx_counts_t counts = {0, 0};
     size_t settled = 0;
     while (idemp_consumer_busy(c)) /* what committed is acked before leaving */

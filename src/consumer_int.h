@@ -94,6 +94,11 @@ struct idem_consumer {
     idemp_backoff_t pause_backoff;
     char pause_cause[8]; /* SQLSTATE (or "conn") of the current pause, "" when not paused */
     int64_t pause_since;
+    /* operations (consumer.c): readiness told to systemd, the STATUS= last told, when the idle
+     * connections were last checked for a server that went away */
+    bool ready;
+    char told[96];
+    int64_t watch_next_ms;
     volatile sig_atomic_t no_stop;
 };
 
@@ -111,6 +116,19 @@ static inline bool idemp_consumer_stopping(const idem_consumer_t *c)
 {
     return c->cfg.stop != NULL && *c->cfg.stop;
 }
+
+/* ---- consumer_ops.c: what operators see ---- */
+
+/* Reads the idle PostgreSQL connections (once a second) so that a server that went away is
+ * noticed while there is nothing to do. */
+void idemp_consumer_watch_pg(idem_consumer_t *c);
+/* The health (metrics, /healthz) from the connections and the pause; with sd_notify, READY=1
+ * once consuming, then STATUS= when the health changes. */
+void idemp_consumer_report(idem_consumer_t *c);
+/* STOPPING=1 (with sd_notify). */
+void idemp_consumer_stopping_told(idem_consumer_t *c);
+/* *cfg.reload was set: re-reads the password file through cfg.reload_password, logs "reloaded". */
+void idemp_consumer_reload(idem_consumer_t *c);
 
 /* ---- consumer_inbox.c: deliveries in, dead letters and acks out ---- */
 

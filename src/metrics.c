@@ -50,8 +50,16 @@ struct idemp_metrics {
     char *types[TYPES_MAX];
     size_t ntypes;
     _Atomic uint64_t by_type[TYPES_MAX + 1][IDEMP_OUT_COUNT];
+    /* health: HEALTH_* bits, and a pause's SQLSTATE in bytes 1..5; written by the loop's
+     * thread, read by the HTTP thread in one load */
+    _Atomic uint64_t health;
+    _Atomic int64_t outbox_rows[2]; /* pending, failed; < 0 = not known yet */
     idemp_http_t *http;
 };
+
+#define HEALTH_KNOWN 1u
+#define HEALTH_PG 2u
+#define HEALTH_AMQP 4u
 
 idemp_metrics_t *idemp_metrics_new(idemp_role role)
 {
@@ -80,6 +88,9 @@ idemp_metrics_t *idemp_metrics_new(idemp_role role)
     for (size_t i = 0; i <= TYPES_MAX; i++)
         for (size_t o = 0; o < IDEMP_OUT_COUNT; o++)
             atomic_init(&m->by_type[i][o], 0);
+    atomic_init(&m->health, 0);
+    atomic_init(&m->outbox_rows[0], -1);
+    atomic_init(&m->outbox_rows[1], -1);
     return m;
 }
 
@@ -200,6 +211,62 @@ void idemp_metrics_oldest_pending(idemp_metrics_t *m, double seconds)
     atomic_store_explicit(&m->oldest_pending_us, us, memory_order_relaxed);
 }
 
+void idemp_metrics_health(idemp_metrics_t *m, bool pg_up, bool amqp_up, const char *paused)
+{
+    if (m == NULL)
+        return;
+    uint64_t h = HEALTH_KNOWN | (pg_up ? HEALTH_PG : 0) | (amqp_up ? HEALTH_AMQP : 0);
+    for (int k = 0; paused != NULL && k < 5 && paused[k] != '\0'; k++) {
+        char ch = paused[k];
+        bool ok = (ch >= '0' && ch <= '9') || (ch >= 'A' && ch <= 'Z') || (ch >= 'a' && ch <= 'z');
+        h |= (uint64_t)(unsigned char)(ok ? ch : '?') << (8 * (k + 1));
+    }
+    atomic_store_explicit(&m->health, h, memory_order_relaxed);
+}
+
+void idemp_metrics_outbox_rows(idemp_metrics_t *m, int64_t pending, int64_t failed)
+{
+    if (m == NULL)
+        return;
+    atomic_store_explicit(&m->outbox_rows[0], pending, memory_order_relaxed);
+    atomic_store_explicit(&m->outbox_rows[1], failed, memory_order_relaxed);
+}
+
+static bool healthy(uint64_t h)
+{
+    return (h & (HEALTH_KNOWN | HEALTH_PG | HEALTH_AMQP)) ==
+               (HEALTH_KNOWN | HEALTH_PG | HEALTH_AMQP) &&
+           (h >> 8) == 0;
+}
+
+int idemp_health_line(bool pg_up, bool amqp_up, const char *paused, char *buf, size_t sz)
+{
+    if (!pg_up)
+        snprintf(buf, sz, "postgres: disconnected\n");
+    else if (!amqp_up)
+        snprintf(buf, sz, "rabbitmq: disconnected\n");
+    else if (paused != NULL && paused[0] != '\0')
+        snprintf(buf, sz, "paused: %s\n", paused);
+    else {
+        snprintf(buf, sz, "ok\n");
+        return 200;
+    }
+    return 503;
+}
+
+int idemp_metrics_healthz(idemp_metrics_t *m, char *buf, size_t sz)
+{
+    uint64_t h = m != NULL ? atomic_load_explicit(&m->health, memory_order_relaxed) : 0;
+    if (!(h & HEALTH_KNOWN)) {
+        snprintf(buf, sz, "starting\n");
+        return 503;
+    }
+    char state[6] = {0};
+    for (int k = 0; k < 5; k++)
+        state[k] = (char)((h >> (8 * (k + 1))) & 0xff);
+    return idemp_health_line(h & HEALTH_PG, h & HEALTH_AMQP, state, buf, sz);
+}
+
 uint64_t idemp_metrics_get(const idemp_metrics_t *m, idemp_counter c)
 {
     if (m == NULL || c < 0 || c >= IDEMP_M_COUNT)
@@ -292,7 +359,20 @@ static void render(idemp_metrics_t *m, FILE *f)
                 "# TYPE idem_outbox_oldest_pending_seconds gauge\n"
                 "idem_outbox_oldest_pending_seconds %.6f\n",
                 us > 0 ? (double)us / 1e6 : 0.0);
+        int64_t pending = atomic_load_explicit(&m->outbox_rows[0], memory_order_relaxed);
+        int64_t failed = atomic_load_explicit(&m->outbox_rows[1], memory_order_relaxed);
+        fprintf(f, "# HELP idem_outbox_rows Outbox rows by status (pending, failed), counted every "
+                   "few seconds.\n# TYPE idem_outbox_rows gauge\n");
+        if (pending >= 0 && failed >= 0)
+            fprintf(f,
+                    "idem_outbox_rows{status=\"pending\"} %lld\n"
+                    "idem_outbox_rows{status=\"failed\"} %lld\n",
+                    (long long)pending, (long long)failed);
     } else {
+        fprintf(f,
+                "# HELP idem_consumer_up 1 while connected to PostgreSQL and RabbitMQ and not "
+                "paused, else 0.\n# TYPE idem_consumer_up gauge\nidem_consumer_up %d\n",
+                healthy(atomic_load_explicit(&m->health, memory_order_relaxed)) ? 1 : 0);
         counter(f, "idem_consumer_applied_total",
                 "Deliveries claimed and committed (duplicates excluded).",
                 ld(&m->counters[IDEMP_M_CONSUMER_APPLIED]));
@@ -336,6 +416,11 @@ static void render_cb(void *ud, FILE *f)
     render(ud, f);
 }
 
+static int health_cb(void *ud, char *buf, size_t sz)
+{
+    return idemp_metrics_healthz(ud, buf, sz);
+}
+
 int idemp_metrics_serve(idemp_metrics_t *m, const char *addr, int port, idem_error_t *err)
 {
     if (m == NULL || port == 0)
@@ -376,7 +461,7 @@ int idemp_metrics_serve(idemp_metrics_t *m, const char *addr, int port, idem_err
                               addr, strerror(e));
     }
     freeaddrinfo(ai);
-    m->http = idemp_http_start(fd, render_cb, m, err);
+    m->http = idemp_http_start(fd, render_cb, health_cb, m, err);
     if (m->http == NULL) {
         close(fd);
         return err != NULL ? err->code : IDEM_ERR_IO;

@@ -4,6 +4,7 @@
 #ifndef IDEM_METRICS_H
 #define IDEM_METRICS_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -54,6 +55,17 @@ void idemp_metrics_paused(idemp_metrics_t *m, const char *sqlstate);
 void idemp_metrics_batch_duration(idemp_metrics_t *m, double seconds);
 void idemp_metrics_oldest_pending(idemp_metrics_t *m, double seconds); /* gauge; <0 = none */
 void idemp_metrics_lag(idemp_metrics_t *m, double seconds);            /* consumer's histogram */
+/* The process's health, for /healthz and idem_consumer_up: whether it is connected to PostgreSQL
+ * and to RabbitMQ, and the SQLSTATE of a pause (NULL or "" when not paused). Until the first
+ * call /healthz answers 503 "starting". */
+void idemp_metrics_health(idemp_metrics_t *m, bool pg_up, bool amqp_up, const char *paused);
+/* The relay's idem_outbox_rows{status} gauge; negative = not known yet (not exposed). */
+void idemp_metrics_outbox_rows(idemp_metrics_t *m, int64_t pending, int64_t failed);
+/* The health line of a process in that state ("ok\n", "postgres: disconnected\n", ...) into buf;
+ * returns 200 when healthy, else 503. */
+int idemp_health_line(bool pg_up, bool amqp_up, const char *paused, char *buf, size_t sz);
+/* Writes /healthz's one line (with its newline) to buf; 200 when healthy, else 503. */
+int idemp_metrics_healthz(idemp_metrics_t *m, char *buf, size_t sz);
 uint64_t idemp_metrics_get(const idemp_metrics_t *m, idemp_counter c);
 
 #endif

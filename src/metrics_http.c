@@ -1,10 +1,11 @@
 /* metrics_http.c - the /metrics endpoint: a small HTTP/1.x server on its own thread.
  *
- * It answers GET and HEAD /metrics (404 for other paths, 405 for other methods) and closes each
- * connection after its answer. It holds at most HTTP_CONNS connections: when a new one arrives
- * and all are taken, the oldest that has not finished sending its request is closed, so
- * connections that open and send nothing (or dribble) can never keep a scrape out; a request
- * must arrive within HTTP_READ_MS. One poll loop, no allocation per byte. */
+ * It answers GET and HEAD /metrics and /healthz (404 for other paths, 405 for other methods;
+ * /healthz is 200 or 503 with one line, see idemp_metrics_healthz) and closes each connection after
+ * its answer. It holds at most HTTP_CONNS connections: when a new one arrives and all are taken,
+ * the oldest that has not finished sending its request is closed, so connections that open and send
+ * nothing (or dribble) can never keep a scrape out; a request must arrive within HTTP_READ_MS. One
+ * poll loop, no allocation per byte. */
 #define _GNU_SOURCE /* accept4, pipe2 */
 #include <errno.h>
 #include <fcntl.h>
@@ -39,6 +40,7 @@ struct idemp_http {
     int listen_fd;
     int wake[2]; /* a pipe: stop */
     idemp_http_render_fn render;
+    idemp_http_health_fn health;
     void *ud;
     pthread_t thread;
     atomic_bool stop;
@@ -55,13 +57,14 @@ static void conn_close(conn_t *c)
     c->inlen = c->outlen = c->outoff = 0;
 }
 
-/* status and its reason phrase go on the status line; text (one line) is the body of an error. */
+/* status and its reason phrase go on the status line; the body is text (one line), or with text
+ * NULL, the rendered metrics. */
 static void respond(idemp_http_t *h, conn_t *c, int status, const char *reason, const char *text,
                     bool head, const char *ctype)
 {
     char *body = NULL;
     size_t blen = 0;
-    if (status == 200) {
+    if (text == NULL) {
         FILE *f = open_memstream(&body, &blen);
         if (f == NULL) {
             conn_close(c);
@@ -108,8 +111,14 @@ static void serve(idemp_http_t *h, conn_t *c)
         *q = '\0';
     if (!get && !head)
         respond(h, c, 405, "Method Not Allowed", "only GET and HEAD\n", false, "text/plain");
-    else if (strcmp(path, "/metrics") != 0)
-        respond(h, c, 404, "Not Found", "not found; try /metrics\n", head, "text/plain");
+    else if (strcmp(path, "/healthz") == 0) {
+        char line[128];
+        int status = h->health(h->ud, line, sizeof line);
+        respond(h, c, status, status == 200 ? "OK" : "Service Unavailable", line, head,
+                "text/plain; charset=utf-8");
+    } else if (strcmp(path, "/metrics") != 0)
+        respond(h, c, 404, "Not Found", "not found; try /metrics or /healthz\n", head,
+                "text/plain");
     else
         respond(h, c, 200, "OK", NULL, head, "text/plain; version=0.0.4; charset=utf-8");
 }
@@ -215,8 +224,8 @@ static void *loop(void *arg)
     return NULL;
 }
 
-idemp_http_t *idemp_http_start(int listen_fd, idemp_http_render_fn render, void *ud,
-                               idem_error_t *err)
+idemp_http_t *idemp_http_start(int listen_fd, idemp_http_render_fn render,
+                               idemp_http_health_fn health, void *ud, idem_error_t *err)
 {
     idemp_http_t *h = calloc(1, sizeof *h);
     if (h == NULL) {
@@ -225,6 +234,7 @@ idemp_http_t *idemp_http_start(int listen_fd, idemp_http_render_fn render, void 
     }
     h->listen_fd = listen_fd;
     h->render = render;
+    h->health = health;
     h->ud = ud;
     for (int i = 0; i < HTTP_CONNS; i++)
         h->conns[i].fd = -1;

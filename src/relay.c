@@ -1,4 +1,4 @@
-/* relay.c - the outbox relay: lifecycle, connections, the event loop, the backlog gauge.
+/* relay.c - the outbox relay: lifecycle, connections, the event loop.
  *
  * Each batch: claim due pending rows, publish them with confirms, mark the confirmed ones sent in
  * the claiming transaction, COMMIT (relay_claim.c, relay_batch.c). Order per subscription holds
@@ -7,7 +7,7 @@
  * the lock: whatever the previous holder did is visible, and nobody else moves those rows until
  * we commit. A subscription held by another relay costs a claim one skipped lock, however long its
  * backlog, so a relay that hangs holds back its own subscriptions only. A control connection
- * LISTENs for new rows and reads the backlog gauge, outside the batches' transactions.
+ * LISTENs for new rows and reads the gauges (relay_ops.c), outside the batches' transactions.
  *
  * One loop drives every batch in flight, each in its own transaction on its own connection (a
  * slot): it reads confirms as they arrive and publishes each batch's next wave, sends a batch's
@@ -26,20 +26,9 @@
 #include "clock.h"
 #include "relay_int.h"
 
-#define GAUGE_EVERY_MS 1000
 #define STATEMENT_BACKOFF_BASE_MS 200
 #define STATEMENT_BACKOFF_MAX_MS 5000
 #define STEP1_QUIET_MS 50
-
-#define SQL_OLDEST_PENDING                                                                         \
-    "SELECT extract(epoch FROM clock_timestamp() - created_at) FROM idem.event_outbox"             \
-    " WHERE status = 'pending' ORDER BY seq LIMIT 1"
-/* The gauge's read waits for a lock this long at most (transaction-local): behind a queued lock
- * request on the outbox (a migration's ALTER TABLE) it would otherwise hold up the loop, and with
- * it the commits of our batches in flight that the request waits for. */
-#define SQL_GAUGE_SETTINGS                                                                         \
-    "SELECT set_config('lock_timeout', '100', true),"                                              \
-    " set_config('statement_timeout', '1000', true)"
 
 static const char *const LOGC = "relay";
 
@@ -165,7 +154,7 @@ static bool stopping(const idem_relay_t *r)
 /* Rows are probably due (a NOTIFY, the backstop poll, a batch's subscriptions let go): claim when
  * a slot is free. A claim that finds less than a batch clears this, unless a wake came since it
  * started. */
-static void wake(idem_relay_t *r)
+void idemp_relay_wake(idem_relay_t *r)
 {
     r->wakes++;
     r->want_claim = true;
@@ -175,7 +164,7 @@ static void wake(idem_relay_t *r)
 static void notified(idem_relay_t *r)
 {
     idemp_relay_busy(r);
-    wake(r);
+    idemp_relay_wake(r);
 }
 
 /* ---- connections ------------------------------------------------------------------------ */
@@ -209,10 +198,10 @@ static int ensure_pg(idem_relay_t *r, idem_error_t *err)
             idem_error_t e = {0};
             if (daemon && idemp_pg_listen(r->ctl, "idem_outbox", &e) != IDEM_OK)
                 idemp_pg_disconnect(r->ctl, e.text);
-            r->gauge_next_ms = 0;
+            r->gauge_next_ms = r->rows_next_ms = 0;
             if (daemon)
                 idemp_relay_wake_connected(r);
-            wake(r); /* rows may have come while nobody listened */
+            idemp_relay_wake(r); /* rows may have come while nobody listened */
         }
     }
     /* the control connection is not needed to publish */
@@ -257,44 +246,6 @@ static int ensure_amqp(idem_relay_t *r, idem_error_t *err)
     return IDEM_OK;
 }
 
-/* ---- the backlog gauge --------------------------------------------------------------------- */
-
-void idemp_relay_update_gauge(idem_relay_t *r, bool force)
-{
-    int64_t now = idemp_now_ms();
-    if (r->metrics == NULL || (!force && now < r->gauge_next_ms) || !idemp_pg_connected(r->ctl))
-        return;
-    r->gauge_next_ms = now + GAUGE_EVERY_MS;
-    idemp_rows_t *res = NULL;
-    idem_error_t e = {0};
-    int rc = idemp_pg_pipeline_begin(r->ctl, &e);
-    if (rc == IDEM_OK)
-        rc = idemp_pg_queue_command(r->ctl, "BEGIN", &e);
-    if (rc == IDEM_OK)
-        rc = idemp_pg_queue(r->ctl, SQL_GAUGE_SETTINGS, 0, NULL, false, &e);
-    if (rc == IDEM_OK)
-        rc = idemp_pg_queue(r->ctl, SQL_OLDEST_PENDING, 0, NULL, true, &e);
-    if (rc == IDEM_OK)
-        rc = idemp_pg_queue_commit(r->ctl, &e);
-    if (rc == IDEM_OK)
-        rc = idemp_pg_pipeline_send(r->ctl, &e);
-    if (rc == IDEM_OK)
-        rc = idemp_pg_pipeline_wait(r->ctl, &res, 1, &e);
-    if (rc != IDEM_OK) {
-        /* the gauge keeps its last value; it is read again in a second */
-        idemp_pg_rollback(r->ctl);
-        const char *kv[] = {"server", "postgres", NULL};
-        idem_log(IDEM_LOG_DEBUG, LOGC, kv, "backlog gauge not read: %s", e.text);
-        return;
-    }
-    idemp_metrics_oldest_pending(
-        r->metrics, idemp_rows_count(res) > 0 ? strtod(idemp_rows_get(res, 0, 0), NULL) : 0.0);
-    idemp_rows_free(res);
-    /* a NOTIFY read along with the answer is in libpq's queue: the socket will not signal it */
-    if (idemp_pg_take_notifies(r->ctl))
-        notified(r);
-}
-
 /* ---- the loop ---------------------------------------------------------------------------- */
 
 static bool idle(const idem_relay_t *r)
@@ -337,6 +288,10 @@ static void pg_failed(idem_relay_t *r, slot_t *sl, int rc, idem_error_t *e)
     int64_t wait =
         idemp_backoff_delay(STATEMENT_BACKOFF_BASE_MS, STATEMENT_BACKOFF_MAX_MS, ++r->pg_failures);
     r->pg_wait_until = idemp_now_ms() + wait;
+    snprintf(r->pg_failed_state, sizeof r->pg_failed_state, "%s",
+             e->sqlstate[0]           ? e->sqlstate
+             : rc == IDEM_ERR_PG_LOST ? "08006"
+                                      : "XX000");
     const char *kv[] = {"server", "postgres", NULL};
     idem_log(IDEM_LOG_WARN, LOGC, kv, "batch rolled back, nothing spent, retrying in %lld ms: %s",
              (long long)wait, e->text);
@@ -411,8 +366,9 @@ static void answered(idem_relay_t *r, slot_t *sl, int rc, idemp_rows_t **rows, i
         bool had_rows = sl->n > 0;
         idemp_relay_settled_ok(r, sl, rows);
         r->pg_failures = 0;
+        r->claimed_once = true; /* a whole claim loop went through */
         if (had_rows)
-            wake(r); /* its subscriptions are free again: their next rows may go */
+            idemp_relay_wake(r); /* its subscriptions are free again: their next rows may go */
         return;
     }
     if (stopping(r)) {
@@ -504,7 +460,7 @@ static bool claim_step(idem_relay_t *r)
 {
     int64_t now = idemp_now_ms();
     if (now >= r->next_poll_ms && !r->cfg.once) {
-        wake(r); /* the backstop poll (a short one while busy) */
+        idemp_relay_wake(r); /* the backstop poll (a short one while busy) */
         r->next_poll_ms = now + idemp_relay_poll_every(r);
     }
     if (!r->want_claim || stopping(r) || r->fail_rc != 0 || now < r->pg_wait_until ||
@@ -551,6 +507,8 @@ static void wait_io(idem_relay_t *r)
         wait = r->pg_wait_until - now;
     if (r->metrics != NULL && r->gauge_next_ms - now < wait)
         wait = r->gauge_next_ms - now;
+    if (r->metrics != NULL && r->rows_next_ms - now < wait)
+        wait = r->rows_next_ms - now;
     int got = poll(pfd, n, (int)(wait < 0 ? 0 : wait));
     if (got > 0 && ctl_at >= 0 && (pfd[ctl_at].revents & (POLLIN | POLLHUP | POLLERR)) &&
         idemp_pg_take_notifies(r->ctl))
@@ -573,9 +531,13 @@ int idem_relay_run(idem_relay_t *r, idem_error_t *err)
     idem_log_level life = r->cfg.once ? IDEM_LOG_DEBUG : IDEM_LOG_INFO;
     idem_log(life, LOGC, NULL, "starting%s", r->cfg.once ? " (once)" : "");
     int result = IDEM_OK;
-    wake(r);
+    idemp_relay_wake(r);
     r->next_poll_ms = idemp_now_ms() + r->cfg.poll_interval_ms;
     for (;;) {
+        if (r->cfg.reload != NULL && *r->cfg.reload)
+            idemp_relay_reload(r);
+        if (stopping(r) || r->fail_rc != 0)
+            idemp_relay_stopping_told(r);
         bool free_all = idle(r);
         /* a stop: no new claims; what is in flight is finished (confirms, marks, commit) */
         if (free_all && (stopping(r) || r->fail_rc != 0 || (r->cfg.once && !r->want_claim)))
@@ -601,11 +563,13 @@ int idem_relay_run(idem_relay_t *r, idem_error_t *err)
         progress = pg_step(r) || progress;
         progress = claim_step(r) || progress;
         idemp_amqp_flush(r->amqp); /* this turn's publishes go out */
-        idemp_relay_update_gauge(r, false);
+        idemp_relay_gauge_step(r);
         idemp_relay_wake_step(r, !r->want_claim && free_all);
+        idemp_relay_report(r);
         if (!progress)
             wait_io(r);
     }
+    idemp_relay_stopping_told(r);
     if (result == IDEM_OK && r->fail_rc != 0) {
         result = r->fail_rc;
         idem_error_set(err, r->fail_rc, "%s", r->fail_err.text);

@@ -1,7 +1,7 @@
-/* relay_int.h - the relay's parts: relay.c (lifecycle, connections, the event loop, the backlog
- * gauge), relay_claim.c (a batch's claim and the gap filter) and relay_batch.c (publishing in
- * waves, confirms, marking and committing, and what a broken broker link leaves). Not for other
- * modules. */
+/* relay_int.h - the relay's parts: relay.c (lifecycle, connections, the event loop), relay_ops.c
+ * (the gauges, health, systemd, reload), relay_claim.c (a batch's claim and the gap filter) and
+ * relay_batch.c (publishing in waves, confirms, marking and committing, and what a broken broker
+ * link leaves). Not for other modules. */
 #ifndef IDEM_RELAY_INT_H
 #define IDEM_RELAY_INT_H
 
@@ -81,7 +81,14 @@ struct idem_relay {
         cursor[37]; /* the subscription of the last head claimed: the next claim walks on from it */
     idemp_amqp_t *amqp;
     idemp_metrics_t *metrics;
-    int64_t gauge_next_ms;
+    /* the gauges (relay_ops.c): read on ctl, one pipeline at a time, without blocking the loop */
+    int64_t gauge_next_ms, rows_next_ms, gauge_t0;
+    int gauge_phase; /* 0 none in flight, 1 the oldest pending row's age, 2 the row counts */
+    /* health and readiness (relay_ops.c) */
+    char pg_failed_state[6]; /* SQLSTATE of the last failed statement */
+    bool claimed_once;       /* a claim went through (empty or not): serving */
+    bool ready, stopping_told;
+    char told[96];
     int64_t pg_wait_until; /* after a failed statement: no claim before this */
     int pg_failures;
     bool schema_checked; /* the database is migrated to what this relay needs */
@@ -177,8 +184,21 @@ void idemp_relay_abort_slot(idem_relay_t *r, slot_t *sl);
 void idemp_relay_salvage(idem_relay_t *r, int rc, const idem_error_t *err);
 size_t idemp_relay_unconfirmed(const idem_relay_t *r);
 
-/* relay.c */
-void idemp_relay_update_gauge(idem_relay_t *r, bool force);
+/* ---- relay.c ---- */
+/* Rows are probably due: claim when a slot is free. */
+void idemp_relay_wake(idem_relay_t *r);
+
+/* ---- relay_ops.c ---- */
+/* The gauges: the oldest pending row's age every second, the counts of pending and failed rows
+ * as often as they are cheap; each read is sent and its answer taken in a later turn. */
+void idemp_relay_gauge_step(idem_relay_t *r);
+/* The health (metrics, /healthz); with sd_notify, READY=1 once connected and a claim went
+ * through, then STATUS= when the health changes. */
+void idemp_relay_report(idem_relay_t *r);
+/* STOPPING=1 once (with sd_notify). */
+void idemp_relay_stopping_told(idem_relay_t *r);
+/* *cfg.reload was set: re-reads the password file through cfg.reload_password, logs "reloaded". */
+void idemp_relay_reload(idem_relay_t *r);
 
 /* Once, on the first connection (relay.c's ensure_pg): is the database migrated to what this
  * relay needs (idemp_pg_schema_check)? IDEM_ERR_NOT_FOUND ends the run; a failure to ask drops

@@ -121,6 +121,29 @@ int idemp_amqp_set_password(idemp_amqp_t *a, const char *password)
     return IDEM_OK;
 }
 
+const char *idemp_amqp_reload_password(idemp_amqp_t *const *a, int n,
+                                       int (*fn)(void *, char *, size_t, idem_error_t *), void *ud,
+                                       const char *component)
+{
+    if (fn == NULL)
+        return "not configured";
+    char pw[sizeof a[0]->urls[0].password + 2];
+    idem_error_t e = {0};
+    int rc = fn(ud, pw, sizeof pw, &e);
+    bool fits = rc > 0 && strlen(pw) < sizeof a[0]->urls[0].password;
+    for (int i = 0; fits && i < n; i++)
+        idemp_amqp_set_password(a[i], pw);
+    memset(pw, 0, sizeof pw);
+    if (rc == 0)
+        return "not configured";
+    if (fits)
+        return "re-read";
+    idem_log(IDEM_LOG_WARN, component, NULL,
+             "the AMQP password file was not re-read; the password in use stays: %s",
+             rc < 0 ? e.text : "the password is too long");
+    return "kept";
+}
+
 static void close_conn(idemp_amqp_t *a)
 {
     if (a->conn != NULL) {

@@ -48,6 +48,12 @@ idemp_amqp_t *idemp_amqp_new(const char *urls, const char *component, int heartb
 void idemp_amqp_free(idemp_amqp_t *a);
 /* Overrides the password of every URL (from a password file); copied. */
 int idemp_amqp_set_password(idemp_amqp_t *a, const char *password);
+/* A reload: asks fn (NULL: none) for the password and sets it on a[0..n), used from their next
+ * connection on. Returns "re-read", "not configured" (no fn, or fn has none), or "kept" (fn could
+ * not read it, or it is too long: logged at warn level under component, the old one stays). */
+const char *idemp_amqp_reload_password(idemp_amqp_t *const *a, int n,
+                                       int (*fn)(void *, char *, size_t, idem_error_t *), void *ud,
+                                       const char *component);
 
 /* One connection attempt per URL, starting with the one that worked last: logs in, opens
  * channel 1, and with confirms enables publisher confirms. IDEM_ERR_AMQP_CONNECT: "cannot connect

@@ -14,6 +14,7 @@
 
 #include <signal.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include <idem/error.h>
@@ -43,6 +44,14 @@ typedef struct idem_relay_config {
     int metrics_port;             /* 0 = none */
     const char *metrics_addr;     /* listen address of /metrics, default "127.0.0.1" */
     volatile sig_atomic_t *stop;  /* optional stop flag, checked between batches */
+    /* Reload (SIGHUP), optional: when *reload is set, the loop clears it, asks reload_password
+     * (if set) for the AMQP password (> 0: a new one in buf, used from the next connection on;
+     * 0: none configured; < 0: not readable, err says why, and the one in use stays), logs
+     * "reloaded" (info) and goes on. Logging is to stderr, so there is no log file to reopen. */
+    volatile sig_atomic_t *reload;
+    int (*reload_password)(void *userdata, char *buf, size_t size, idem_error_t *err);
+    void *reload_userdata;
+    bool sd_notify; /* tell systemd ($NOTIFY_SOCKET) when ready, reloading and stopping */
 } idem_relay_config_t;
 
 typedef struct idem_relay_stats {

@@ -2,6 +2,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -9,17 +10,28 @@
 
 #include <idem/duration.h>
 #include <idem/error.h>
+#include <idem/log.h>
 
 #include "args.h"
 #include "pg.h"
 
 volatile sig_atomic_t cli_stop;
+volatile sig_atomic_t cli_reload;
+/* The format of the lines this process prints on stderr: known once the flags are parsed (and
+ * earlier when --log-format json is on the command line, see cli_prescan_format). */
+static idem_log_format err_format = IDEM_LOG_TEXT;
 
 static void on_signal(int sig)
 {
     if (cli_stop)
         _exit(1);
     cli_stop = sig;
+}
+
+static void on_hangup(int sig)
+{
+    (void)sig;
+    cli_reload = 1;
 }
 
 void cli_install_signals(void)
@@ -32,6 +44,16 @@ void cli_install_signals(void)
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
+}
+
+void cli_install_reload(void)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_hangup;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = 0;
+    sigaction(SIGHUP, &sa, NULL);
 }
 
 static const char *env_or(const char *name, const char *def)
@@ -51,62 +73,114 @@ void cli_global_init(cli_global_t *g)
     if (g->exchange[0] == '\0')
         g->exchange = "billing.events";
     g->level = IDEM_LOG_INFO;
-    g->format = IDEM_LOG_TEXT;
+    g->format = err_format;
 }
 
-const char *cli_amqp_password(const cli_global_t *g, const char *cmd, char *buf, size_t sz,
-                              bool *failed)
+int cli_read_password(const char *path, char *buf, size_t sz, char *why, size_t whysz)
 {
-    *failed = false;
-    if (g->amqp_password_file == NULL || g->amqp_password_file[0] == '\0')
-        return NULL;
-    FILE *f = fopen(g->amqp_password_file, "r");
+    if (path == NULL || path[0] == '\0')
+        return 0;
+    FILE *f = fopen(path, "r");
     if (f == NULL) {
-        fprintf(stderr, "idem %s: cannot read the AMQP password file %s: %s\n", cmd,
-                g->amqp_password_file, strerror(errno));
-        *failed = true;
-        return NULL;
+        snprintf(why, whysz, "cannot read the AMQP password file %s: %s", path, strerror(errno));
+        return -1;
     }
     /* as libpq for its key files: no access for others, and for the group only when root
      * owns the file (root:idem 0640, as the deployment kit installs it) */
     struct stat st;
     if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode) ||
         (st.st_mode & (st.st_uid == 0 ? 0037 : 0077)) != 0) {
-        fprintf(stderr,
-                "idem %s: the AMQP password file %s is not a regular file, or group or others "
-                "may access it (mode %04o; chmod 600 it, or 640 owned by root)\n",
-                cmd, g->amqp_password_file, (unsigned)(st.st_mode & 07777));
+        snprintf(why, whysz,
+                 "the AMQP password file %s is not a regular file, or group or others may access "
+                 "it (mode %04o; chmod 600 it, or 640 owned by root)",
+                 path, (unsigned)(st.st_mode & 07777));
         fclose(f);
-        *failed = true;
-        return NULL;
+        return -1;
     }
     bool ok = fgets(buf, (int)sz, f) != NULL;
     fclose(f);
     size_t n = ok ? strcspn(buf, "\r\n") : 0;
     if (!ok || n == 0 || n >= sz - 1) {
-        fprintf(stderr, "idem %s: the AMQP password file %s is empty or its line is too long\n",
-                cmd, g->amqp_password_file);
-        *failed = true;
-        return NULL;
+        memset(buf, 0, sz);
+        snprintf(why, whysz, "the AMQP password file %s is empty or its line is too long", path);
+        return -1;
     }
     buf[n] = '\0';
-    return buf;
+    return 1;
+}
+
+const char *cli_amqp_password(const cli_global_t *g, const char *cmd, char *buf, size_t sz,
+                              bool *failed)
+{
+    char why[600];
+    int rc = cli_read_password(g->amqp_password_file, buf, sz, why, sizeof why);
+    *failed = rc < 0;
+    if (rc < 0)
+        cli_error(cmd, "%s", why);
+    return rc > 0 ? buf : NULL;
+}
+
+int cli_reload_password(void *userdata, char *buf, size_t sz, idem_error_t *err)
+{
+    const cli_global_t *g = userdata;
+    char why[600];
+    int rc = cli_read_password(g->amqp_password_file, buf, sz, why, sizeof why);
+    if (rc < 0)
+        idem_error_set(err, IDEM_ERR_IO, "%s", why);
+    return rc;
 }
 
 void cli_apply_logging(const cli_global_t *g)
 {
     idem_log_set_level(g->level);
     idem_log_set_format(g->format);
+    err_format = g->format;
+}
+
+void cli_prescan_format(int argc, char **argv)
+{
+    for (int i = 1; i < argc; i++) {
+        const char *v = NULL;
+        if (strcmp(argv[i], "--log-format") == 0 && i + 1 < argc)
+            v = argv[i + 1];
+        else if (strncmp(argv[i], "--log-format=", 13) == 0)
+            v = argv[i] + 13;
+        if (v != NULL && strcmp(v, "json") == 0) {
+            err_format = IDEM_LOG_JSON;
+            idem_log_set_format(IDEM_LOG_JSON);
+        }
+    }
+}
+
+static void verror(const char *cmd, const char *suffix, const char *fmt, va_list ap)
+{
+    char msg[2048];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    if (err_format == IDEM_LOG_JSON) {
+        idem_log(IDEM_LOG_ERROR, cmd != NULL ? cmd : "idem", NULL, "%s%s", msg, suffix);
+    } else {
+        fprintf(stderr, "idem%s%s: %s%s\n", cmd != NULL ? " " : "", cmd != NULL ? cmd : "", msg,
+                suffix);
+        fflush(stderr);
+    }
+}
+
+void cli_error(const char *cmd, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    verror(cmd, "", fmt, ap);
+    va_end(ap);
 }
 
 int cli_usage_error(const char *cmd, const char *fmt, ...)
 {
+    char suffix[128];
+    snprintf(suffix, sizeof suffix, " (see 'idem %s --help')", cmd);
     va_list ap;
-    fprintf(stderr, "idem %s: ", cmd);
     va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
+    verror(cmd, suffix, fmt, ap);
     va_end(ap);
-    fprintf(stderr, " (see 'idem %s --help')\n", cmd);
     return CLI_EXIT_USAGE;
 }
 

@@ -8,6 +8,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include <idem/error.h>
 #include <idem/log.h>
 
 #define CLI_EXIT_OK 0
@@ -98,6 +99,18 @@ int cli_parse(const char *cmd, const char *synopsis, int argc, char **argv, cons
  * none is set. A file that cannot be read: one line on stderr, *failed set. */
 const char *cli_amqp_password(const cli_global_t *g, const char *cmd, char *buf, size_t sz,
                               bool *failed);
+/* The password file at path into buf: 1 read, 0 no path, -1 refused or unreadable (why says
+ * so, naming the file but never its contents). */
+int cli_read_password(const char *path, char *buf, size_t sz, char *why, size_t whysz);
+/* The daemons' reload_password (userdata: the cli_global_t): the file read again. */
+int cli_reload_password(void *userdata, char *buf, size_t sz, idem_error_t *err);
+
+/* One error line on stderr: "idem CMD: MESSAGE", or with --log-format json a JSON log line
+ * (level error, component CMD). cli_usage_error adds "(see 'idem CMD --help')". */
+void cli_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* --log-format json anywhere on the command line: the lines printed before the flags are
+ * parsed (an unknown command, a bad flag) are JSON too. */
+void cli_prescan_format(int argc, char **argv);
 
 /* Applies g's log settings. */
 void cli_apply_logging(const cli_global_t *g);
@@ -108,6 +121,10 @@ int cli_usage_error(const char *cmd, const char *fmt, ...) __attribute__((format
 /* Signal handling for daemons: the first SIGTERM/SIGINT sets cli_stop, a second exits at once. */
 extern volatile sig_atomic_t cli_stop;
 void cli_install_signals(void);
+/* Daemons: SIGHUP sets cli_reload (the daemon's loop re-reads what it can; see reload in the
+ * library's configs) instead of ending the process. */
+extern volatile sig_atomic_t cli_reload;
+void cli_install_reload(void);
 
 /* Command entry points; each returns the process exit status. */
 /* Connects for the one-shot command cmd and checks that the database is migrated to what this

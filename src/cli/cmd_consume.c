@@ -53,7 +53,7 @@ static int register_sql(idem_consumer_t *c, const cli_list_t *handlers)
                                    "identifiers)",
                                    eq + 1);
         if (rc != IDEM_OK) {
-            fprintf(stderr, "idem consume: cannot register handlers: %s\n", idem_strerror(rc));
+            cli_error("consume", "cannot register handlers: %s", idem_strerror(rc));
             return CLI_EXIT_FAIL;
         }
     }
@@ -69,14 +69,14 @@ static int run(const idem_consumer_config_t *cfg, const cli_list_t *handlers, bo
     idem_consumer_t *c = idem_consumer_new(cfg, &err);
     memset(pw, 0, pwsz);
     if (c == NULL) {
-        fprintf(stderr, "idem consume: %s\n", err.text);
+        cli_error("consume", "%s", err.text);
         return err.code == IDEM_ERR_INVALID ? CLI_EXIT_USAGE : CLI_EXIT_FAIL;
     }
     int rc = 0;
     if (handlers->n == 0 || bundled) {
         rc = billing_register(c);
         if (rc != IDEM_OK) {
-            fprintf(stderr, "idem consume: cannot register handlers: %s\n", idem_strerror(rc));
+            cli_error("consume", "cannot register handlers: %s", idem_strerror(rc));
             rc = CLI_EXIT_FAIL;
         }
     }
@@ -88,10 +88,11 @@ static int run(const idem_consumer_config_t *cfg, const cli_list_t *handlers, bo
         return rc;
     }
     cli_install_signals();
+    cli_install_reload();
     rc = idem_consumer_run(c, &err);
     idem_consumer_free(c);
     if (rc != IDEM_OK) {
-        fprintf(stderr, "idem consume: %s\n", err.text);
+        cli_error("consume", "%s", err.text);
         return CLI_EXIT_FAIL;
     }
     return CLI_EXIT_OK;
@@ -185,6 +186,10 @@ int cmd_consume(int argc, char **argv, cli_global_t *g)
     cfg.exchange = g->exchange;
     cfg.binds = binds.n > 0 ? binds.items : NULL;
     cfg.stop = &cli_stop;
+    cfg.reload = &cli_reload;
+    cfg.reload_password = cli_reload_password;
+    cfg.reload_userdata = g;
+    cfg.sd_notify = true;
 
     return run(&cfg, &handlers, bundled, pw, sizeof pw);
 }

@@ -55,21 +55,27 @@ int cmd_relay(int argc, char **argv, cli_global_t *g)
     cfg.amqp_url = g->amqp;
     cfg.exchange = g->exchange;
     cfg.stop = &cli_stop;
+    cfg.reload = &cli_reload;
+    cfg.reload_password = cli_reload_password;
+    cfg.reload_userdata = g;
+    cfg.sd_notify = !once;
 
     idem_error_t err = {0};
     idem_relay_t *r = idem_relay_new(&cfg, &err);
     memset(pw, 0, sizeof pw);
     if (r == NULL) {
-        fprintf(stderr, "idem relay: %s\n", err.text);
+        cli_error("relay", "%s", err.text);
         return err.code == IDEM_ERR_INVALID ? CLI_EXIT_USAGE : CLI_EXIT_FAIL;
     }
     cli_install_signals();
+    if (!once)
+        cli_install_reload();
     rc = idem_relay_run(r, &err);
     idem_relay_stats_t st;
     idem_relay_get_stats(r, &st);
     idem_relay_free(r);
     if (rc != IDEM_OK) {
-        fprintf(stderr, "idem relay: %s\n", err.text);
+        cli_error("relay", "%s", err.text);
         return CLI_EXIT_FAIL;
     }
     if (once)

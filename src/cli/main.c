@@ -68,6 +68,7 @@ int main(int argc, char **argv)
 {
     /* no core file, and no ptrace by the same user, may read a password out of this process */
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    cli_prescan_format(argc, argv);
     int cmd_at = -1;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
@@ -86,7 +87,7 @@ int main(int argc, char **argv)
             i++;
     }
     if (cmd_at < 0) {
-        fprintf(stderr, "idem: no command given (see 'idem --help')\n");
+        cli_error(NULL, "no command given (see 'idem --help')");
         return CLI_EXIT_USAGE;
     }
     const command_t *cmd = NULL;
@@ -94,7 +95,7 @@ int main(int argc, char **argv)
         if (strcmp(c->name, argv[cmd_at]) == 0)
             cmd = c;
     if (cmd == NULL) {
-        fprintf(stderr, "idem: unknown command '%s' (see 'idem --help')\n", argv[cmd_at]);
+        cli_error(NULL, "unknown command '%s' (see 'idem --help')", argv[cmd_at]);
         return CLI_EXIT_USAGE;
     }
     /* the command sees: its name, then every other argument in order */

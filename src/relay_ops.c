@@ -1,0 +1,190 @@
+/* relay_ops.c - the relay as operators see it: the gauges read on the control connection (the
+ * oldest pending row's age, the counts of pending and failed rows), its health (/healthz and
+ * systemd's STATUS=), readiness and stopping told to systemd, a reload (SIGHUP).
+ *
+ * The gauges are read without blocking the loop: a read is a pipeline (its own short
+ * transaction with a lock and a statement timeout) sent on the control connection and answered
+ * in a later turn, so the claims, publishes and commits of the batches in flight never wait for
+ * it. The age is read every second (one probe of the pending index). The counts read the partial
+ * indexes of pending and failed rows (index-only scans), a cost that grows with the backlog: a
+ * count is not read again before GAUGE_ROWS_SHARE times its own duration has passed (at least a
+ * second), so however large the outbox, counting takes at most 1/GAUGE_ROWS_SHARE of the
+ * control connection's time. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <idem/log.h>
+
+#include "clock.h"
+#include "notify.h"
+#include "relay_int.h"
+
+#define GAUGE_EVERY_MS 1000
+#define GAUGE_ROWS_SHARE 20
+#define GAUGE_ROWS_MAX_MS 60000
+
+#define SQL_OLDEST_PENDING                                                                         \
+    "SELECT extract(epoch FROM clock_timestamp() - created_at) FROM idem.event_outbox"             \
+    " WHERE status = 'pending' ORDER BY seq LIMIT 1"
+#define SQL_OUTBOX_ROWS                                                                            \
+    "SELECT (SELECT count(*) FROM idem.event_outbox WHERE status = 'pending'),"                    \
+    " (SELECT count(*) FROM idem.event_outbox WHERE status = 'failed')"
+/* A gauge's read waits for a lock this long at most (transaction-local): behind a queued lock
+ * request on the outbox (a migration's ALTER TABLE) it would otherwise hold up the control
+ * connection, and the request waits for our batches in flight. */
+#define SQL_GAUGE_SETTINGS                                                                         \
+    "SELECT set_config('lock_timeout', '100', true),"                                              \
+    " set_config('statement_timeout', '1000', true)"
+/* The counts: one backend, no parallel workers (they would take the cores the claims need). */
+#define SQL_ROWS_SETTINGS                                                                          \
+    "SELECT set_config('lock_timeout', '100', true),"                                              \
+    " set_config('statement_timeout', '30000', true),"                                             \
+    " set_config('max_parallel_workers_per_gather', '0', true)"
+
+/* After this many failed statements in a row the relay counts as paused (a single lock timeout
+ * is not a pause). */
+#define PAUSED_AFTER_FAILURES 3
+
+static const char *const LOGC = "relay";
+
+enum { GAUGE_NONE, GAUGE_OLDEST, GAUGE_ROWS };
+
+static int send_read(idem_relay_t *r, const char *settings, const char *sql, idem_error_t *e)
+{
+    int rc = idemp_pg_pipeline_begin(r->ctl, e);
+    if (rc == IDEM_OK)
+        rc = idemp_pg_queue_command(r->ctl, "BEGIN", e);
+    if (rc == IDEM_OK)
+        rc = idemp_pg_queue(r->ctl, settings, 0, NULL, false, e);
+    if (rc == IDEM_OK)
+        rc = idemp_pg_queue(r->ctl, sql, 0, NULL, true, e);
+    if (rc == IDEM_OK)
+        rc = idemp_pg_queue_commit(r->ctl, e);
+    if (rc == IDEM_OK)
+        rc = idemp_pg_pipeline_send(r->ctl, e);
+    return rc;
+}
+
+static void not_read(idem_relay_t *r, const idem_error_t *e)
+{
+    /* the gauge keeps its last value; it is read again later */
+    idemp_pg_rollback(r->ctl);
+    const char *kv[] = {"server", "postgres", NULL};
+    idem_log(IDEM_LOG_DEBUG, LOGC, kv, "gauge not read: %s", e->text);
+}
+
+/* The read in flight: its answer, if it has come. */
+static void take(idem_relay_t *r)
+{
+    bool done = false;
+    idemp_rows_t *res = NULL;
+    idem_error_t e = {0};
+    int rc = idemp_pg_pipeline_poll(r->ctl, &done, &res, 1, &e);
+    if (!done)
+        return;
+    int phase = r->gauge_phase;
+    r->gauge_phase = GAUGE_NONE;
+    int64_t now = idemp_now_ms();
+    if (rc != IDEM_OK) {
+        not_read(r, &e);
+        if (phase == GAUGE_ROWS)
+            r->rows_next_ms = now + GAUGE_EVERY_MS;
+        return;
+    }
+    if (phase == GAUGE_OLDEST) {
+        idemp_metrics_oldest_pending(
+            r->metrics, idemp_rows_count(res) > 0 ? strtod(idemp_rows_get(res, 0, 0), NULL) : 0.0);
+    } else if (idemp_rows_count(res) == 1) {
+        idemp_metrics_outbox_rows(r->metrics, strtoll(idemp_rows_get(res, 0, 0), NULL, 10),
+                                  strtoll(idemp_rows_get(res, 0, 1), NULL, 10));
+        int64_t next = (now - r->gauge_t0) * GAUGE_ROWS_SHARE;
+        next = next < GAUGE_EVERY_MS      ? GAUGE_EVERY_MS
+               : next > GAUGE_ROWS_MAX_MS ? GAUGE_ROWS_MAX_MS
+                                          : next;
+        r->rows_next_ms = now + next;
+    }
+    idemp_rows_free(res);
+    /* a NOTIFY read along with the answer is in libpq's queue: the socket will not signal it */
+    if (idemp_pg_take_notifies(r->ctl))
+        idemp_relay_wake(r);
+}
+
+void idemp_relay_gauge_step(idem_relay_t *r)
+{
+    if (r->metrics == NULL)
+        return;
+    if (!idemp_pg_connected(r->ctl)) {
+        r->gauge_phase = GAUGE_NONE;
+        return;
+    }
+    if (r->gauge_phase != GAUGE_NONE) {
+        take(r);
+        if (r->gauge_phase != GAUGE_NONE)
+            return;
+    }
+    int64_t now = idemp_now_ms();
+    int phase = now >= r->gauge_next_ms  ? GAUGE_OLDEST
+                : now >= r->rows_next_ms ? GAUGE_ROWS
+                                         : GAUGE_NONE;
+    if (phase == GAUGE_NONE)
+        return;
+    idem_error_t e = {0};
+    int rc = phase == GAUGE_OLDEST ? send_read(r, SQL_GAUGE_SETTINGS, SQL_OLDEST_PENDING, &e)
+                                   : send_read(r, SQL_ROWS_SETTINGS, SQL_OUTBOX_ROWS, &e);
+    if (phase == GAUGE_OLDEST)
+        r->gauge_next_ms = now + GAUGE_EVERY_MS;
+    if (rc != IDEM_OK) {
+        not_read(r, &e);
+        if (phase == GAUGE_ROWS)
+            r->rows_next_ms = now + GAUGE_EVERY_MS;
+        return;
+    }
+    r->gauge_phase = phase;
+    r->gauge_t0 = now;
+}
+
+/* ---- health, systemd, reload ------------------------------------------------------------ */
+
+void idemp_relay_report(idem_relay_t *r)
+{
+    bool pg_up = false;
+    for (int k = 0; k < r->nslots; k++)
+        pg_up = pg_up || idemp_pg_connected(r->slots[k].pg);
+    if (!r->cfg.once)
+        pg_up = pg_up && idemp_pg_connected(r->ctl);
+    bool amqp_up = idemp_amqp_connected(r->amqp);
+    const char *paused = r->pg_failures >= PAUSED_AFTER_FAILURES ? r->pg_failed_state : "";
+    idemp_metrics_health(r->metrics, pg_up, amqp_up, paused);
+    if (!r->cfg.sd_notify || r->cfg.once || r->stopping_told)
+        return;
+    char line[64];
+    int code = idemp_health_line(pg_up, amqp_up, paused, line, sizeof line);
+    line[strcspn(line, "\n")] = '\0';
+    const char *status = code == 200 ? "publishing" : line;
+    idemp_notify_status(&r->ready, r->told, sizeof r->told, code == 200 && r->claimed_once, status);
+}
+
+void idemp_relay_stopping_told(idem_relay_t *r)
+{
+    if (r->stopping_told)
+        return;
+    r->stopping_told = true;
+    if (r->cfg.sd_notify && !r->cfg.once)
+        idemp_notify("STOPPING=1\nSTATUS=stopping");
+}
+
+void idemp_relay_reload(idem_relay_t *r)
+{
+    *r->cfg.reload = 0;
+    bool tell = r->cfg.sd_notify && !r->cfg.once;
+    if (tell)
+        idemp_notify("RELOADING=1");
+    const char *pw_state = idemp_amqp_reload_password(&r->amqp, 1, r->cfg.reload_password,
+                                                      r->cfg.reload_userdata, LOGC);
+    /* the log is stderr: whoever holds its other end (journald, a shell's redirection) reopens */
+    const char *kv[] = {"password_file", pw_state, NULL};
+    idem_log(IDEM_LOG_INFO, LOGC, kv, "reloaded");
+    if (tell)
+        idemp_notify(r->ready ? "READY=1" : "STATUS=reloaded, not ready yet");
+}
