@@ -209,3 +209,19 @@ def test_man_page_documents_every_command_and_flag(kit):
             if not mentions(global_text, flag):
                 missing.append(f"global {flag} (from idem {cmd} --help)")
     assert missing == [], "idem.1 does not document: " + ", ".join(missing)
+
+
+def test_units_wait_for_readiness_and_reload_with_sighup(kit):
+    """Type=notify: systemd counts a daemon as started once it says READY=1 (connected and
+    serving), and `systemctl reload` sends SIGHUP (re-read the password file, the daemon goes on);
+    the hardening stays."""
+    unitdir = kit.path("share", "idem", "systemd")
+    for name in UNITS:
+        unit = unit_settings(os.path.join(unitdir, name))
+        svc = {k: v[-1] for (section, k), v in unit.items() if section == "Service"}
+        assert svc["Type"] == "notify", name
+        assert svc.get("NotifyAccess", "main") == "main", name
+        assert svc["ExecReload"] == "/bin/kill -HUP $MAINPID", name
+        assert re.fullmatch(r"\d+(s|min)", svc["TimeoutStartSec"]), name
+        assert svc["LimitCORE"] == "0", name
+        assert "AF_UNIX" in svc["RestrictAddressFamilies"].split(), name  # $NOTIFY_SOCKET
