@@ -135,6 +135,7 @@ void idem_relay_free(idem_relay_t *r)
         free(r->slots[i].rows);
     }
     idemp_pg_free(r->ctl);
+    idemp_pg_free(r->rows_pg);
     free(r->pg_conninfo);
     free(r->amqp_url);
     free(r->exchange);
@@ -198,7 +199,7 @@ static int ensure_pg(idem_relay_t *r, idem_error_t *err)
             idem_error_t e = {0};
             if (daemon && idemp_pg_listen(r->ctl, "idem_outbox", &e) != IDEM_OK)
                 idemp_pg_disconnect(r->ctl, e.text);
-            r->gauge_next_ms = r->rows_next_ms = 0;
+            r->gauges[0].next_ms = 0;
             if (daemon)
                 idemp_relay_wake_connected(r);
             idemp_relay_wake(r); /* rows may have come while nobody listened */
@@ -482,7 +483,7 @@ static bool claim_step(idem_relay_t *r)
 /* Waits until a socket has something for us, or the next deadline. */
 static void wait_io(idem_relay_t *r)
 {
-    struct pollfd pfd[IDEMP_RELAY_INFLIGHT_MAX + 2];
+    struct pollfd pfd[IDEMP_RELAY_INFLIGHT_MAX + 3];
     nfds_t n = 0;
     int ctl_at = -1;
     int64_t now = idemp_now_ms(), wait = 100;
@@ -505,10 +506,7 @@ static void wait_io(idem_relay_t *r)
         wait = r->next_poll_ms - now;
     if (r->want_claim && r->pg_wait_until > now && r->pg_wait_until - now < wait)
         wait = r->pg_wait_until - now;
-    if (r->metrics != NULL && r->gauge_next_ms - now < wait)
-        wait = r->gauge_next_ms - now;
-    if (r->metrics != NULL && r->rows_next_ms - now < wait)
-        wait = r->rows_next_ms - now;
+    idemp_relay_gauge_wait(r, pfd, &n, now, &wait);
     int got = poll(pfd, n, (int)(wait < 0 ? 0 : wait));
     if (got > 0 && ctl_at >= 0 && (pfd[ctl_at].revents & (POLLIN | POLLHUP | POLLERR)) &&
         idemp_pg_take_notifies(r->ctl))
@@ -524,8 +522,10 @@ int idem_relay_run(idem_relay_t *r, idem_error_t *err)
         if (r->metrics == NULL)
             return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
         int rc = idemp_metrics_serve(r->metrics, r->cfg.metrics_addr, r->cfg.metrics_port, err);
+        if (rc == IDEM_OK)
+            rc = idemp_relay_gauges_new(r);
         if (rc != IDEM_OK)
-            return rc;
+            return idem_error_set(err, rc, "out of memory");
     }
     /* a one-shot run reports through its exit status and summary, not lifecycle lines */
     idem_log_level life = r->cfg.once ? IDEM_LOG_DEBUG : IDEM_LOG_INFO;
@@ -588,5 +588,7 @@ int idem_relay_run(idem_relay_t *r, idem_error_t *err)
     for (int i = 0; i < r->nslots; i++)
         idemp_pg_disconnect(r->slots[i].pg, NULL);
     idemp_pg_disconnect(r->ctl, NULL);
+    if (r->rows_pg != NULL)
+        idemp_pg_disconnect(r->rows_pg, NULL);
     return result;
 }

@@ -5,6 +5,7 @@
 #ifndef IDEM_RELAY_INT_H
 #define IDEM_RELAY_INT_H
 
+#include <poll.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -59,6 +60,13 @@ typedef struct slot {
     int64_t t_heard; /* last publish or confirm of this batch: its confirm timeout runs from here */
 } slot_t;
 
+/* A gauge's read (relay_ops.c): sent on its connection, answered in a later turn of the loop. */
+typedef struct gauge_read {
+    idemp_pg_t *pg; /* r->ctl or r->rows_pg */
+    bool inflight;
+    int64_t next_ms, t0;
+} gauge_read_t;
+
 /* Batches in flight per relay: claimed, published or committing at once. More let the broker
  * and PostgreSQL work at the same time; each holds a connection, its rows and its subscriptions'
  * locks. IDEM_RELAY_INFLIGHT (2-8) overrides the default, an internal tunable; in once mode two
@@ -81,9 +89,10 @@ struct idem_relay {
         cursor[37]; /* the subscription of the last head claimed: the next claim walks on from it */
     idemp_amqp_t *amqp;
     idemp_metrics_t *metrics;
-    /* the gauges (relay_ops.c): read on ctl, one pipeline at a time, without blocking the loop */
-    int64_t gauge_next_ms, rows_next_ms, gauge_t0;
-    int gauge_phase; /* 0 none in flight, 1 the oldest pending row's age, 2 the row counts */
+    /* the gauges (relay_ops.c), with metrics: the oldest pending row's age read on ctl, the row
+     * counts on a connection of their own (a long count never delays the age) */
+    idemp_pg_t *rows_pg;
+    gauge_read_t gauges[2];
     /* health and readiness (relay_ops.c) */
     char pg_failed_state[6]; /* SQLSTATE of the last failed statement */
     bool claimed_once;       /* a claim went through (empty or not): serving */
@@ -191,7 +200,12 @@ void idemp_relay_wake(idem_relay_t *r);
 /* ---- relay_ops.c ---- */
 /* The gauges: the oldest pending row's age every second, the counts of pending and failed rows
  * as often as they are cheap; each read is sent and its answer taken in a later turn. */
+int idemp_relay_gauges_new(idem_relay_t *r);
 void idemp_relay_gauge_step(idem_relay_t *r);
+/* For the loop's poll: the socket of the counts' read in flight goes into pfd (ctl's is polled
+ * anyway), and *wait is lowered to when the next read is due. */
+void idemp_relay_gauge_wait(const idem_relay_t *r, struct pollfd *pfd, nfds_t *n, int64_t now,
+                            int64_t *wait);
 /* The health (metrics, /healthz); with sd_notify, READY=1 once connected and a claim went
  * through, then STATUS= when the health changes. */
 void idemp_relay_report(idem_relay_t *r);

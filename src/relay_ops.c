@@ -1,15 +1,16 @@
-/* relay_ops.c - the relay as operators see it: the gauges read on the control connection (the
- * oldest pending row's age, the counts of pending and failed rows), its health (/healthz and
- * systemd's STATUS=), readiness and stopping told to systemd, a reload (SIGHUP).
+/* relay_ops.c - the relay as operators see it: the gauges (the oldest pending row's age, the
+ * counts of pending and failed rows), its health (/healthz and systemd's STATUS=), readiness and
+ * stopping told to systemd, a reload (SIGHUP).
  *
- * The gauges are read without blocking the loop: a read is a pipeline (its own short
- * transaction with a lock and a statement timeout) sent on the control connection and answered
- * in a later turn, so the claims, publishes and commits of the batches in flight never wait for
- * it. The age is read every second (one probe of the pending index). The counts read the partial
- * indexes of pending and failed rows (index-only scans), a cost that grows with the backlog: a
- * count is not read again before GAUGE_ROWS_SHARE times its own duration has passed (at least a
- * second), so however large the outbox, counting takes at most 1/GAUGE_ROWS_SHARE of the
- * control connection's time. */
+ * The gauges are read without blocking the loop: a read is a pipeline (its own short transaction
+ * with a lock and a statement timeout) sent on its connection and answered in a later turn, so
+ * the claims, publishes and commits of the batches in flight never wait for it. The age is read
+ * on the control connection every second (one probe of the pending index). The counts are read on
+ * a connection of their own, so that a long count never delays the age: index-only scans of the
+ * partial indexes of pending and failed rows, whose cost grows with the backlog; a count starts
+ * no sooner than GAUGE_ROWS_SHARE times the last one's duration after it started (at least a
+ * second, at most GAUGE_ROWS_MAX_MS), so however large the outbox, counting keeps one backend
+ * busy 1/GAUGE_ROWS_SHARE of the time at most. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,100 +49,130 @@
 
 static const char *const LOGC = "relay";
 
-enum { GAUGE_NONE, GAUGE_OLDEST, GAUGE_ROWS };
+enum { GAUGE_OLDEST, GAUGE_ROWS };
 
-static int send_read(idem_relay_t *r, const char *settings, const char *sql, idem_error_t *e)
+int idemp_relay_gauges_new(idem_relay_t *r)
 {
-    int rc = idemp_pg_pipeline_begin(r->ctl, e);
+    r->rows_pg = idemp_pg_new(r->pg_conninfo, LOGC);
+    if (r->rows_pg == NULL)
+        return IDEM_ERR_NOMEM;
+    idemp_pg_set_backoff(r->rows_pg, 200, 5000);
+    r->gauges[GAUGE_OLDEST] = (gauge_read_t){r->ctl, false, 0, 0};
+    r->gauges[GAUGE_ROWS] = (gauge_read_t){r->rows_pg, false, 0, 0};
+    return IDEM_OK;
+}
+
+static int send_read(idemp_pg_t *pg, const char *settings, const char *sql, idem_error_t *e)
+{
+    int rc = idemp_pg_pipeline_begin(pg, e);
     if (rc == IDEM_OK)
-        rc = idemp_pg_queue_command(r->ctl, "BEGIN", e);
+        rc = idemp_pg_queue_command(pg, "BEGIN", e);
     if (rc == IDEM_OK)
-        rc = idemp_pg_queue(r->ctl, settings, 0, NULL, false, e);
+        rc = idemp_pg_queue(pg, settings, 0, NULL, false, e);
     if (rc == IDEM_OK)
-        rc = idemp_pg_queue(r->ctl, sql, 0, NULL, true, e);
+        rc = idemp_pg_queue(pg, sql, 0, NULL, true, e);
     if (rc == IDEM_OK)
-        rc = idemp_pg_queue_commit(r->ctl, e);
+        rc = idemp_pg_queue_commit(pg, e);
     if (rc == IDEM_OK)
-        rc = idemp_pg_pipeline_send(r->ctl, e);
+        rc = idemp_pg_pipeline_send(pg, e);
     return rc;
 }
 
-static void not_read(idem_relay_t *r, const idem_error_t *e)
+/* The gauge keeps its last value; it is read again in a second. */
+static void not_read(gauge_read_t *g, const idem_error_t *e, int64_t now)
 {
-    /* the gauge keeps its last value; it is read again later */
-    idemp_pg_rollback(r->ctl);
+    idemp_pg_rollback(g->pg);
+    g->next_ms = now + GAUGE_EVERY_MS;
     const char *kv[] = {"server", "postgres", NULL};
     idem_log(IDEM_LOG_DEBUG, LOGC, kv, "gauge not read: %s", e->text);
 }
 
-/* The read in flight: its answer, if it has come. */
-static void take(idem_relay_t *r)
+/* g's read in flight: its answer, if it has come. */
+static void take(idem_relay_t *r, int which)
 {
+    gauge_read_t *g = &r->gauges[which];
     bool done = false;
     idemp_rows_t *res = NULL;
     idem_error_t e = {0};
-    int rc = idemp_pg_pipeline_poll(r->ctl, &done, &res, 1, &e);
+    int rc = idemp_pg_pipeline_poll(g->pg, &done, &res, 1, &e);
     if (!done)
         return;
-    int phase = r->gauge_phase;
-    r->gauge_phase = GAUGE_NONE;
+    g->inflight = false;
     int64_t now = idemp_now_ms();
     if (rc != IDEM_OK) {
-        not_read(r, &e);
-        if (phase == GAUGE_ROWS)
-            r->rows_next_ms = now + GAUGE_EVERY_MS;
+        not_read(g, &e, now);
         return;
     }
-    if (phase == GAUGE_OLDEST) {
+    if (which == GAUGE_OLDEST) {
         idemp_metrics_oldest_pending(
             r->metrics, idemp_rows_count(res) > 0 ? strtod(idemp_rows_get(res, 0, 0), NULL) : 0.0);
+        /* a NOTIFY read along with the answer is in libpq's queue: the socket will not say so */
+        if (idemp_pg_take_notifies(r->ctl))
+            idemp_relay_wake(r);
     } else if (idemp_rows_count(res) == 1) {
         idemp_metrics_outbox_rows(r->metrics, strtoll(idemp_rows_get(res, 0, 0), NULL, 10),
                                   strtoll(idemp_rows_get(res, 0, 1), NULL, 10));
-        int64_t next = (now - r->gauge_t0) * GAUGE_ROWS_SHARE;
+        int64_t next = (now - g->t0) * GAUGE_ROWS_SHARE;
         next = next < GAUGE_EVERY_MS      ? GAUGE_EVERY_MS
                : next > GAUGE_ROWS_MAX_MS ? GAUGE_ROWS_MAX_MS
                                           : next;
-        r->rows_next_ms = now + next;
+        g->next_ms = g->t0 + next;
     }
     idemp_rows_free(res);
-    /* a NOTIFY read along with the answer is in libpq's queue: the socket will not signal it */
-    if (idemp_pg_take_notifies(r->ctl))
-        idemp_relay_wake(r);
 }
 
 void idemp_relay_gauge_step(idem_relay_t *r)
 {
     if (r->metrics == NULL)
         return;
-    if (!idemp_pg_connected(r->ctl)) {
-        r->gauge_phase = GAUGE_NONE;
-        return;
+    /* the control connection is made by the loop (it also LISTENs); the counts' one here */
+    if (!idemp_pg_connected(r->rows_pg))
+        idemp_pg_ensure(r->rows_pg, NULL, NULL);
+    for (int which = GAUGE_OLDEST; which <= GAUGE_ROWS; which++) {
+        gauge_read_t *g = &r->gauges[which];
+        if (!idemp_pg_connected(g->pg)) {
+            g->inflight = false;
+            continue;
+        }
+        if (g->inflight)
+            take(r, which);
+        int64_t now = idemp_now_ms();
+        if (g->inflight || now < g->next_ms)
+            continue;
+        idem_error_t e = {0};
+        int rc = which == GAUGE_OLDEST
+                     ? send_read(g->pg, SQL_GAUGE_SETTINGS, SQL_OLDEST_PENDING, &e)
+                     : send_read(g->pg, SQL_ROWS_SETTINGS, SQL_OUTBOX_ROWS, &e);
+        if (rc != IDEM_OK) {
+            not_read(g, &e, now);
+            continue;
+        }
+        g->inflight = true;
+        g->t0 = now;
+        if (which == GAUGE_OLDEST)
+            g->next_ms = now + GAUGE_EVERY_MS;
     }
-    if (r->gauge_phase != GAUGE_NONE) {
-        take(r);
-        if (r->gauge_phase != GAUGE_NONE)
-            return;
-    }
-    int64_t now = idemp_now_ms();
-    int phase = now >= r->gauge_next_ms  ? GAUGE_OLDEST
-                : now >= r->rows_next_ms ? GAUGE_ROWS
-                                         : GAUGE_NONE;
-    if (phase == GAUGE_NONE)
+}
+
+void idemp_relay_gauge_wait(const idem_relay_t *r, struct pollfd *pfd, nfds_t *n, int64_t now,
+                            int64_t *wait)
+{
+    if (r->metrics == NULL)
         return;
-    idem_error_t e = {0};
-    int rc = phase == GAUGE_OLDEST ? send_read(r, SQL_GAUGE_SETTINGS, SQL_OLDEST_PENDING, &e)
-                                   : send_read(r, SQL_ROWS_SETTINGS, SQL_OUTBOX_ROWS, &e);
-    if (phase == GAUGE_OLDEST)
-        r->gauge_next_ms = now + GAUGE_EVERY_MS;
-    if (rc != IDEM_OK) {
-        not_read(r, &e);
-        if (phase == GAUGE_ROWS)
-            r->rows_next_ms = now + GAUGE_EVERY_MS;
-        return;
+    for (int which = GAUGE_OLDEST; which <= GAUGE_ROWS; which++) {
+        const gauge_read_t *g = &r->gauges[which];
+        if (!idemp_pg_connected(g->pg)) {
+            if (which == GAUGE_ROWS && idemp_pg_retry_in_ms(g->pg) < *wait)
+                *wait = idemp_pg_retry_in_ms(g->pg);
+            continue;
+        }
+        if (g->inflight) {
+            if (g->pg != r->ctl)
+                pfd[(*n)++] = (struct pollfd){idemp_pg_socket(g->pg), POLLIN, 0};
+        } else if (g->next_ms - now < *wait) {
+            *wait = g->next_ms - now;
+        }
     }
-    r->gauge_phase = phase;
-    r->gauge_t0 = now;
 }
 
 /* ---- health, systemd, reload ------------------------------------------------------------ */
