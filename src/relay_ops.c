@@ -107,8 +107,10 @@ static void take(idem_relay_t *r, int which)
         idemp_metrics_oldest_pending(
             r->metrics, idemp_rows_count(res) > 0 ? strtod(idemp_rows_get(res, 0, 0), NULL) : 0.0);
         /* a NOTIFY read along with the answer is in libpq's queue: the socket will not say so */
-        if (idemp_pg_take_notifies(r->ctl))
+        if (idemp_pg_take_notifies(r->ctl)) {
+            idemp_relay_busy(r);
             idemp_relay_wake(r);
+        }
     } else if (idemp_rows_count(res) == 1) {
         idemp_metrics_outbox_rows(r->metrics, strtoll(idemp_rows_get(res, 0, 0), NULL, 10),
                                   strtoll(idemp_rows_get(res, 0, 1), NULL, 10));
