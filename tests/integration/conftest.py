@@ -17,6 +17,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import urllib.parse
 import uuid
 
 import pytest
@@ -155,6 +156,29 @@ class DeadLetters:
 
     def by_case(self):
         return {d.header("x-case"): d for d in self.got}
+
+
+@pytest.fixture
+def rmq_user(servers):
+    """Factory: rmq_user(name_hint, (configure, write, read)) -> an amqp:// URL logging in as a
+    new RabbitMQ user with exactly those permissions on vhost "/". Deleted after the test."""
+    made = []
+    base = urllib.parse.urlsplit(servers.amqp_url)
+
+    def make(hint, perms):
+        name = f"it_{hint}_{uuid.uuid4().hex[:8]}"
+        password = uuid.uuid4().hex
+        servers.rmqctl("add_user", name, password)
+        made.append(name)
+        servers.rmqctl("set_permissions", "-p", "/", name, *perms)
+        return f"amqp://{name}:{password}@{base.hostname}:{base.port}"
+
+    yield make
+    for name in made:
+        try:
+            servers.rmqctl("delete_user", name)
+        except AssertionError:
+            pass
 
 
 # ----------------------------------------------------------------------------- daemons

@@ -22,7 +22,6 @@ consumer's queue or rebuild the topology, and an operator could not grant less t
 
 import json
 import re
-import urllib.parse
 import uuid
 
 import pika
@@ -54,29 +53,6 @@ def permissions(component, queue=None, partitions=1, no_declare=False):
         target = r"amq\.default" if partitions == 1 else rf"{q}\.part"
         return (NONE, f"^{target}$", rf"^{q}\.dlq$")
     raise ValueError(component)
-
-
-@pytest.fixture
-def rmq_user(servers):
-    """Factory: rmq_user(name_hint, (configure, write, read)) -> an amqp:// URL logging in as a
-    new RabbitMQ user with exactly those permissions on vhost "/". Deleted after the test."""
-    made = []
-    base = urllib.parse.urlsplit(servers.amqp_url)
-
-    def make(hint, perms):
-        name = f"it_{hint}_{uuid.uuid4().hex[:8]}"
-        password = uuid.uuid4().hex
-        servers.rmqctl("add_user", name, password)
-        made.append(name)
-        servers.rmqctl("set_permissions", "-p", "/", name, *perms)
-        return f"amqp://{name}:{password}@{base.hostname}:{base.port}"
-
-    yield make
-    for name in made:
-        try:
-            servers.rmqctl("delete_user", name)
-        except AssertionError:
-            pass
 
 
 def refused(url, what, action):
