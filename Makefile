@@ -62,6 +62,7 @@ LIB_SRCS := \
 	src/rmq_deliver.c \
 	src/rmq_publish.c \
 	src/envelope.c \
+	src/digest.c \
 	src/registry.c \
 	src/policy.c \
 	src/event.c \
@@ -107,6 +108,7 @@ CLI_SRCS := \
 UNIT_TESTS := \
 	tests/unit/test_duration \
 	tests/unit/test_envelope \
+	tests/unit/test_digest \
 	tests/unit/test_registry \
 	tests/unit/test_error \
 	tests/unit/test_mask \

@@ -9,7 +9,8 @@ Checks (exit 1 if one fails):
 - no cycle between modules;
 - only the adapters include the client libraries: <amqp*.h> in rmq only, <libpq-fe.h> in pg
   (and in the public headers, whose API takes a PGconn), and no other module calls PQ* or
-  amqp_* functions;
+  amqp_* functions; OpenSSL's headers only in rmq (the shard hash) and digest (the ledger's
+  content digest);
 - every module's edges go to a lower layer or its own (core -> adapters -> utilities, never up).
 
 `scripts/arch.py` prints the module graph by layer; `--dot` prints it for Graphviz.
@@ -30,12 +31,15 @@ LAYERS = [
     ("runtime", ["consumer", "relay", "outbox", "migrate", "retain", "status", "replay", "dlq"]),
     ("handler API", ["event", "registry", "policy"]),
     ("adapters", ["pg", "rmq", "metrics"]),
-    ("wire format", ["envelope"]),
+    ("wire format", ["envelope", "digest"]),
     ("utilities", ["error", "log", "mask", "duration", "backoff", "clock", "uuid", "fault",
                    "host", "notify"]),
 ]
 ADAPTER_LIBS = {"pg": re.compile(r"#include <libpq-fe\.h>"),
-                "rmq": re.compile(r"#include <amqp[a-z_]*\.h>|#include <openssl/")}
+                "rmq": re.compile(r"#include <amqp[a-z_]*\.h>")}
+# OpenSSL's hashes: the shard function (rmq) and the ledger's content digest (digest).
+OPENSSL = re.compile(r"#include <openssl/")
+OPENSSL_MODULES = {"rmq", "digest"}
 CALLS = {"pg": re.compile(r"\bPQ[a-zA-Z]+\("), "rmq": re.compile(r"\bamqp_[a-z_]+\(")}
 
 
@@ -79,6 +83,9 @@ def main():
         for lib, pat in ADAPTER_LIBS.items():
             if m != lib and pat.search(text):
                 problems.append(f"{os.path.relpath(f, ROOT)}: includes {lib}'s client library")
+        if m not in OPENSSL_MODULES and OPENSSL.search(text):
+            problems.append(f"{os.path.relpath(f, ROOT)}: includes OpenSSL (only "
+                            f"{', '.join(sorted(OPENSSL_MODULES))} may)")
         for lib, pat in CALLS.items():
             if m != lib and pat.search(text):
                 problems.append(f"{os.path.relpath(f, ROOT)}: calls {lib}'s client library "

@@ -64,6 +64,9 @@ static void validate(idem_consumer_t *c, delivery_t *d)
             snprintf(d->detail, sizeof d->detail, "no handler for event type '%s'", shown);
         }
     }
+    if (d->dl_code == IDEMP_DL_NONE &&
+        !idemp_digest_event(d->ev.event_type, d->ev.subscription_id, d->ev.payload, d->digest))
+        d->digest[0] = '\0'; /* out of memory: claimed without one, compared with nothing */
     d->state = d->dl_code == IDEMP_DL_NONE ? D_READY : D_DEAD;
 }
 

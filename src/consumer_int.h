@@ -12,6 +12,7 @@
 #include <idem/log.h>
 
 #include "backoff.h"
+#include "digest.h"
 #include "envelope.h"
 #include "metrics.h"
 #include "pg.h"
@@ -46,9 +47,10 @@ typedef struct delivery {
     idemp_dl_code dl_code;
     char last_state[6]; /* SQLSTATE of the last failed try, "" when none */
     char detail[512];
-    size_t bytes; /* body bytes held */
-    int qidx;     /* the consumed queue it came from (index into queues) */
-    int part;     /* that queue's partition number; -1 without partitions */
+    size_t bytes;                  /* body bytes held */
+    int qidx;                      /* the consumed queue it came from (index into queues) */
+    char digest[IDEMP_DIGEST_HEX]; /* of its content, for the ledger ("" when not computed) */
+    int part;                      /* that queue's partition number; -1 without partitions */
 } delivery_t;
 
 /* A handler that calls a SQL function (idem_consumer_register_sql). */
@@ -172,12 +174,14 @@ size_t idemp_window_ack_plan(delivery_t *const *win, size_t n, uint64_t *multi_t
 #define IDEMP_SQLSTATE_NOT_ALL_NEW "IDEM1"
 
 /* On pg, in a pipeline just begun: BEGIN, the transaction-local settings and the claim of the
- * event ids of ds[0..n), in the batch's order. Marks claimed[i] and stale[i] (older than the
- * dedup window by the database's clock). single: the pipeline is left here, so that the
+ * event ids of ds[0..n), in the batch's order, each with its digest. Marks claimed[i], stale[i]
+ * (older than the dedup window by the database's clock) and conflict[i] (its id is in the ledger
+ * with another digest: not a duplicate). single: the pipeline is left here, so that the
  * handler's statements fail one by one. all_new: the claim is only queued, every delivery
  * marked claimed; it fails the transaction with IDEMP_SQLSTATE_NOT_ALL_NEW unless each is. */
 int idemp_consumer_claim(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size_t n, bool single,
-                         bool all_new, bool *claimed, bool *stale, idem_error_t *err);
+                         bool all_new, bool *claimed, bool *stale, bool *conflict,
+                         idem_error_t *err);
 
 /* ---- consumer_tx.c ---- */
 

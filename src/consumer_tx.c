@@ -113,7 +113,7 @@ typedef struct attempt {
     delivery_t *failed; /* the delivery whose handler failed */
     idem_outcome outcome;
     char sqlstate[6]; /* of the handler's failed statement */
-    bool *claimed, *stale;
+    bool *claimed, *stale, *conflict;
 } attempt_t;
 
 /* After a handler that had the bare connection: is its transaction still the claim's (the mark
@@ -203,7 +203,8 @@ static void attempt(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, size_t 
     a->at = AT_CLAIM;
     a->rc = idemp_pg_pipeline_begin(pg, &a->err);
     if (a->rc == IDEM_OK)
-        a->rc = idemp_consumer_claim(c, pg, ds, n, single, all_new, a->claimed, a->stale, &a->err);
+        a->rc = idemp_consumer_claim(c, pg, ds, n, single, all_new, a->claimed, a->stale,
+                                     a->conflict, &a->err);
     if (a->rc == IDEM_OK) {
         a->at = AT_HANDLER;
         a->rc = handle(c, pg, ds, n, a);
@@ -255,13 +256,32 @@ static bool attempt_init(attempt_t *a, size_t n)
     memset(a, 0, sizeof *a);
     a->claimed = calloc(n, sizeof *a->claimed);
     a->stale = calloc(n, sizeof *a->stale);
-    return a->claimed != NULL && a->stale != NULL;
+    a->conflict = calloc(n, sizeof *a->conflict);
+    return a->claimed != NULL && a->stale != NULL && a->conflict != NULL;
 }
 
 static void attempt_free(attempt_t *a)
 {
     free(a->claimed);
     free(a->stale);
+    free(a->conflict);
+}
+
+/* d's id is in the ledger with another content: dead-lettered, never taken for a duplicate (a
+ * forged or reused id would otherwise hide the real event for good). */
+static void collided(idem_consumer_t *c, delivery_t *d)
+{
+    d->dl_code = IDEMP_DL_CONFLICT;
+    snprintf(d->detail, sizeof d->detail,
+             "event id already applied by consumer '%.200s' with another content (event type, "
+             "subscription_id or payload differ): an id collision, not a duplicate",
+             c->consumer);
+    d->state = D_DEAD;
+    idemp_consumer_log(IDEM_LOG_ERROR, c, d,
+                       "conflict: this event id was applied before with another content; the "
+                       "delivery is dead-lettered to %s, not dropped as a duplicate (a forged or "
+                       "reused id: compare it with what was applied before acting on it)",
+                       c->dlq);
 }
 
 /* How a finished attempt over ds[0..n) settles each delivery. */
@@ -279,6 +299,8 @@ static run_result settle(idem_consumer_t *c, idemp_pg_t *pg, delivery_t **ds, si
                          "database clock",
                          (long long)d->ev.timestamp_s, (long long)(c->cfg.dedup_window_ms / 1000));
                 d->state = D_DEAD;
+            } else if (a->conflict[i]) {
+                collided(c, d);
             } else {
                 d->state = D_DONE;
                 if (a->claimed[i])

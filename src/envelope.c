@@ -8,6 +8,7 @@
 static const char *const dl_names[IDEMP_DL_COUNT] = {
     "",          "malformed_json",  "missing_event_id", "invalid_event_id",  "unknown_type",
     "oversized", "invalid_payload", "handler_rejected", "retries_exhausted", "stale",
+    "conflict",
 };
 
 const char *idemp_dl_code_name(idemp_dl_code code)

@@ -22,6 +22,7 @@ typedef enum idemp_dl_code {
     IDEMP_DL_HANDLER_REJECTED,
     IDEMP_DL_RETRIES_EXHAUSTED,
     IDEMP_DL_STALE,
+    IDEMP_DL_CONFLICT,
     IDEMP_DL_COUNT
 } idemp_dl_code;
 

@@ -5,7 +5,9 @@
  * only after the commit succeeded. Deliveries are taken in batches that share one transaction; a
  * failing event falls back to one transaction per event so it cannot sink its batch-mates. Per
  * subscription, events apply in the order the broker delivered them: a delivery waiting for a
- * retry holds the later ones of its subscription.
+ * retry holds the later ones of its subscription. The ledger keeps a digest of each event's content
+ * (type, subscription, payload): a delivery whose id is in it with another content is dead-lettered
+ * as conflict, never dropped as a duplicate.
  * Threads: a consumer object belongs to one thread (the one calling idem_consumer_run); handlers
  * run on it. The stop flag may be set from a signal handler or another thread. */
 #ifndef IDEM_CONSUMER_H

@@ -530,9 +530,10 @@ static void test_code_names(void **state)
         [IDEMP_DL_INVALID_PAYLOAD] = "invalid_payload",
         [IDEMP_DL_HANDLER_REJECTED] = "handler_rejected",
         [IDEMP_DL_RETRIES_EXHAUSTED] = "retries_exhausted",
+        [IDEMP_DL_CONFLICT] = "conflict",
         [IDEMP_DL_STALE] = "stale",
     };
-    assert_int_equal(IDEMP_DL_COUNT, 10); /* the contract's nine codes plus NONE */
+    assert_int_equal(IDEMP_DL_COUNT, 11); /* the contract's ten codes plus NONE */
     for (int c = 0; c < IDEMP_DL_COUNT; c++) {
         const char *name = idemp_dl_code_name((idemp_dl_code)c);
         assert_non_null(name);
