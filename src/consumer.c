@@ -97,11 +97,42 @@ static bool valid_config(const idem_consumer_config_t *cfg, idem_error_t *err)
                            cfg->partition_list[i], cfg->partitions - 1);
             return false;
         }
+    for (const char *const *t = cfg->trusted_publishers; t != NULL && *t != NULL; t++)
+        if ((*t)[0] == '\0' || strlen(*t) > 255) {
+            idem_error_set(err, IDEM_ERR_INVALID,
+                           "a trusted publisher must be a RabbitMQ user name (1-255 bytes)");
+            return false;
+        }
     if (cfg->partition_list && (cfg->npartition_list < 1 || cfg->partitions == 1)) {
         idem_error_set(err, IDEM_ERR_INVALID, "--partition needs --partitions greater than 1");
         return false;
     }
     return true;
+}
+
+/* A copy of a NULL-terminated list of strings into *out (NULL for NULL); false when out of
+ * memory (what was copied stays in *out for the caller's free). */
+static bool copy_names(const char *const *names, char ***out)
+{
+    *out = NULL;
+    if (names == NULL)
+        return true;
+    size_t n = 0;
+    while (names[n])
+        n++;
+    if ((*out = calloc(n + 1, sizeof **out)) == NULL)
+        return false;
+    for (size_t i = 0; i < n; i++)
+        if (((*out)[i] = strdup(names[i])) == NULL)
+            return false;
+    return true;
+}
+
+static void free_names(char **names)
+{
+    for (char **p = names; p != NULL && *p != NULL; p++)
+        free(*p);
+    free(names);
 }
 
 idem_consumer_t *idem_consumer_new(const idem_consumer_config_t *cfg, idem_error_t *err)
@@ -125,17 +156,10 @@ idem_consumer_t *idem_consumer_new(const idem_consumer_config_t *cfg, idem_error
     if (!c->consumer || !c->queue || !c->pg_conninfo || !c->amqp_url || !c->exchange || !c->dlq ||
         !c->dlx || !c->part_exchange || !c->unkeyed_exchange || !make_queues(c, cfg))
         goto nomem;
-    if (cfg->binds != NULL) {
-        size_t n = 0;
-        while (cfg->binds[n])
-            n++;
-        c->binds = calloc(n + 1, sizeof *c->binds);
-        if (c->binds == NULL)
-            goto nomem;
-        for (size_t i = 0; i < n; i++)
-            if ((c->binds[i] = strdup(cfg->binds[i])) == NULL)
-                goto nomem;
-    }
+    if (!copy_names(cfg->binds, &c->binds) ||
+        !copy_names(cfg->trusted_publishers, &c->trusted_publishers))
+        goto nomem;
+    c->cfg.trusted_publishers = (const char *const *)c->trusted_publishers;
     c->reg = idemp_registry_new();
     if (c->reg == NULL)
         goto nomem;
@@ -201,10 +225,8 @@ void idem_consumer_free(idem_consumer_t *c)
     for (int i = 0; i < IDEMP_CONSUMER_CONNS; i++)
         idemp_pg_free(c->pgs[i]);
     idemp_registry_free(c->reg);
-    if (c->binds != NULL)
-        for (char **b = c->binds; *b; b++)
-            free(*b);
-    free(c->binds);
+    free_names(c->binds);
+    free_names(c->trusted_publishers);
     for (int i = 0; i < c->nqueues; i++)
         free(c->queues[i]);
     free(c->queues);

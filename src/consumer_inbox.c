@@ -64,6 +64,14 @@ static void validate(idem_consumer_t *c, delivery_t *d)
             snprintf(d->detail, sizeof d->detail, "no handler for event type '%s'", shown);
         }
     }
+    /* who published it decides first: an untrusted message is never claimed, whatever it holds */
+    char why[sizeof d->detail];
+    if (!idemp_envelope_trusted(in.user_id, c->cfg.trusted_publishers, why, sizeof why)) {
+        json_decref(d->ev.payload);
+        d->ev.payload = NULL;
+        d->dl_code = IDEMP_DL_UNTRUSTED;
+        snprintf(d->detail, sizeof d->detail, "%s", why);
+    }
     if (d->dl_code == IDEMP_DL_NONE &&
         !idemp_digest_event(d->ev.event_type, d->ev.subscription_id, d->ev.payload, d->digest))
         d->digest[0] = '\0'; /* out of memory: claimed without one, compared with nothing */

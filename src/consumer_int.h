@@ -66,6 +66,7 @@ struct idem_consumer {
     int *queue_part; /* partition number of each (-1 for QUEUE) */
     int nqueues;
     char **binds;                 /* NULL-terminated, owned */
+    char **trusted_publishers;    /* NULL-terminated, owned; NULL = any publisher */
     sql_handler_t **sql_handlers; /* owned; registry entries point at them */
     size_t nsql_handlers;
     bool sql_checked;  /* the SQL handlers' functions were found */

@@ -8,7 +8,7 @@
 static const char *const dl_names[IDEMP_DL_COUNT] = {
     "",          "malformed_json",  "missing_event_id", "invalid_event_id",  "unknown_type",
     "oversized", "invalid_payload", "handler_rejected", "retries_exhausted", "stale",
-    "conflict",
+    "untrusted", "conflict",
 };
 
 const char *idemp_dl_code_name(idemp_dl_code code)
@@ -32,6 +32,26 @@ static void show(idemp_str_t s, char *out, size_t sz)
     if (s.len > 0 && o + 4 >= sz)
         memcpy(out + o - 3, "...", 3);
     out[o] = '\0';
+}
+
+bool idemp_envelope_trusted(idemp_str_t user_id, const char *const *trusted, char *detail,
+                            size_t detail_sz)
+{
+    if (trusted == NULL || trusted[0] == NULL)
+        return true;
+    if (user_id.ptr == NULL) {
+        snprintf(detail, detail_sz,
+                 "user_id is absent: the publisher is not known, and only trusted publishers' "
+                 "messages are accepted");
+        return false;
+    }
+    for (const char *const *t = trusted; *t != NULL; t++)
+        if (strlen(*t) == user_id.len && memcmp(*t, user_id.ptr, user_id.len) == 0)
+            return true;
+    char buf[80];
+    show(user_id, buf, sizeof buf);
+    snprintf(detail, detail_sz, "user_id '%s' is not a trusted publisher", buf);
+    return false;
 }
 
 bool idemp_envelope_timestamp(uint64_t raw, int64_t now_ms, int64_t *out_s)

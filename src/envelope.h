@@ -22,6 +22,7 @@ typedef enum idemp_dl_code {
     IDEMP_DL_HANDLER_REJECTED,
     IDEMP_DL_RETRIES_EXHAUSTED,
     IDEMP_DL_STALE,
+    IDEMP_DL_UNTRUSTED,
     IDEMP_DL_CONFLICT,
     IDEMP_DL_COUNT
 } idemp_dl_code;
@@ -36,6 +37,7 @@ typedef struct idemp_str {
 
 typedef struct idemp_envelope_in {
     idemp_str_t message_id;     /* property */
+    idemp_str_t user_id;        /* property: the publisher's RabbitMQ user, as the broker checked */
     idemp_str_t hdr_event_id;   /* header "event_id" (string kinds only) */
     bool hdr_event_id_bad_kind; /* header present but not a string */
     idemp_str_t type;           /* property */
@@ -69,6 +71,12 @@ typedef struct idemp_envelope {
  * decided by the database clock, in the claim. */
 idemp_dl_code idemp_envelope_parse(const idemp_envelope_in_t *in, int64_t max_bytes, int64_t now_ms,
                                    idemp_envelope_t *out, char *detail, size_t detail_sz);
+
+/* Is user_id (the property; ptr NULL when absent) one of trusted (NULL-terminated user names)?
+ * When not, detail receives why: which user_id it was (printable, bounded), or that it is absent. A
+ * NULL or empty list trusts every publisher. */
+bool idemp_envelope_trusted(idemp_str_t user_id, const char *const *trusted, char *detail,
+                            size_t detail_sz);
 
 /* A timestamp property is usable when it is not negative as a signed 64-bit number and at most a
  * day after now (seconds, milliseconds or nanoseconds sent by mistake land far in the future);

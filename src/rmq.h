@@ -156,7 +156,8 @@ bool idemp_msg_from_queue(const idemp_msg_t *m, const char *queue);
 bool idemp_msg_from_exchange(const idemp_msg_t *m, const char *exchange);
 bool idemp_msg_timestamp(const idemp_msg_t *m, uint64_t *out);
 /* Publishes m again through exchange/routing_key (persistent, mandatory, confirmed): without
- * x-idem-error, with x-idem-requeued counting the moves. */
+ * x-idem-error, with x-idem-requeued counting the moves, and with user_id = out's own login user
+ * (the original publisher's, if it had one, stays in the x-idem-original-user-id header). */
 int idemp_amqp_requeue(idemp_amqp_t *out, const idemp_msg_t *m, const char *exchange,
                        const char *routing_key, int64_t timeout_ms, idem_error_t *err);
 
@@ -182,10 +183,10 @@ typedef struct idemp_event_msg {
 } idemp_event_msg_t;
 
 /* Publishes e to exchange with routing key = event type, mandatory and persistent, with the
- * contract's properties and headers; *tag receives its confirm sequence number.
- * IDEM_ERR_UNENCODABLE (nothing sent, the connection stays up) when e cannot be an AMQP message:
- * an event type over 255 bytes, headers that are not a flat object of strings, properties that
- * do not fit one frame. */
+ * contract's properties (user_id = a's own login user) and headers; *tag receives its confirm
+ * sequence number. IDEM_ERR_UNENCODABLE (nothing sent, the connection stays up) when e cannot be an
+ * AMQP message: an event type over 255 bytes, headers that are not a flat object of strings,
+ * properties that do not fit one frame. */
 int idemp_amqp_publish_event(idemp_amqp_t *a, const char *exchange, const idemp_event_msg_t *e,
                              uint64_t *tag, idem_error_t *err);
 

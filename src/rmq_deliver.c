@@ -210,6 +210,8 @@ void idemp_msg_envelope_in(const idemp_msg_t *m, idemp_envelope_in_t *in)
     memset(in, 0, sizeof *in);
     if (p->_flags & AMQP_BASIC_MESSAGE_ID_FLAG)
         in->message_id = str_of(p->message_id);
+    if (p->_flags & AMQP_BASIC_USER_ID_FLAG)
+        in->user_id = str_of(p->user_id);
     in->hdr_event_id = header_str(p, "event_id", &in->hdr_event_id_bad_kind);
     if (p->_flags & AMQP_BASIC_TYPE_FLAG)
         in->type = str_of(p->type);

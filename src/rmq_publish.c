@@ -12,6 +12,13 @@
 
 #define HEADER_FRAME_OVERHEAD 20 /* frame header + end octet + class, weight and body size */
 
+/* The user this connection logged in as (the URL's, also when the password came from a file):
+ * RabbitMQ refuses a user_id property that is not exactly it. */
+static amqp_bytes_t login_user(const idemp_amqp_t *a)
+{
+    return amqp_cstring_bytes(a->urls[a->cur].user);
+}
+
 /* ---- the dead-letter copy ------------------------------------------------------------------ */
 
 static bool key_is(const amqp_table_entry_t *e, const char *name)
@@ -308,7 +315,8 @@ int idemp_amqp_publish_event(idemp_amqp_t *a, const char *exchange, const idemp_
     memset(&props, 0, sizeof props);
     props._flags = AMQP_BASIC_CONTENT_TYPE_FLAG | AMQP_BASIC_DELIVERY_MODE_FLAG |
                    AMQP_BASIC_MESSAGE_ID_FLAG | AMQP_BASIC_TYPE_FLAG | AMQP_BASIC_TIMESTAMP_FLAG |
-                   AMQP_BASIC_HEADERS_FLAG;
+                   AMQP_BASIC_HEADERS_FLAG | AMQP_BASIC_USER_ID_FLAG;
+    props.user_id = login_user(a);
     props.content_type = amqp_cstring_bytes("application/json");
     props.delivery_mode = 2;
     props.message_id = amqp_cstring_bytes(e->event_id);
@@ -365,8 +373,10 @@ int idemp_amqp_requeue(idemp_amqp_t *out, const idemp_msg_t *m, const char *exch
     n++;
     p.headers.entries = entries;
     p.headers.num_entries = n;
-    p._flags |= AMQP_BASIC_HEADERS_FLAG | AMQP_BASIC_DELIVERY_MODE_FLAG;
+    /* the requeuer vouches for what it moves: a consumer trusting its user accepts it */
+    p._flags |= AMQP_BASIC_HEADERS_FLAG | AMQP_BASIC_DELIVERY_MODE_FLAG | AMQP_BASIC_USER_ID_FLAG;
     p.delivery_mode = 2;
+    p.user_id = login_user(out);
     int st = amqp_basic_publish(out->conn, IDEMP_CHANNEL, amqp_cstring_bytes(exchange),
                                 amqp_cstring_bytes(routing_key), 1, 0, &p, m->body);
     free(entries);

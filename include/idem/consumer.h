@@ -61,14 +61,20 @@ typedef struct idem_consumer_config {
     int (*reload_password)(void *userdata, char *buf, size_t size, idem_error_t *err);
     void *reload_userdata;
     bool sd_notify; /* tell systemd ($NOTIFY_SOCKET) when ready, reloading and stopping */
+    /* NULL-terminated RabbitMQ user names; NULL (default) or empty = any publisher. With one or
+     * more, a delivery whose user_id property is absent or not one of them is dead-lettered as
+     * untrusted before any claim (RabbitMQ checks user_id against the publisher's login). Owned by
+     * the caller: idem_consumer_new copies the list and its strings. */
+    const char *const *trusted_publishers;
 } idem_consumer_config_t;
 
 /* Fills cfg with the defaults above (strings NULL). */
 void idem_consumer_config_init(idem_consumer_config_t *cfg);
 
 /* Returns a new consumer (free with idem_consumer_free) or NULL with err set: IDEM_ERR_INVALID
- * for a missing name or queue, a bad URL or a value out of range; IDEM_ERR_NOMEM. cfg's strings
- * and lists are copied. Does not connect. */
+ * for a missing name or queue, a bad URL, an empty trusted publisher name or a value out of
+ * range; IDEM_ERR_NOMEM. cfg's strings and lists are copied (cfg may go once this returns). Does
+ * not connect. */
 idem_consumer_t *idem_consumer_new(const idem_consumer_config_t *cfg, idem_error_t *err);
 
 /* The handlers registered need migration version (e.g. "billing/001_billing.sql", copied)

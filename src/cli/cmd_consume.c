@@ -102,7 +102,7 @@ int cmd_consume(int argc, char **argv, cli_global_t *g)
 {
     idem_consumer_config_t cfg;
     idem_consumer_config_init(&cfg);
-    cli_list_t binds = {{NULL}, 0}, handlers = {{NULL}, 0};
+    cli_list_t binds = {{NULL}, 0}, handlers = {{NULL}, 0}, trusted = {{NULL}, 0};
     int max_bytes = (int)cfg.max_message_bytes;
     int64_t heartbeat_ms = -1;
     const char *partition_spec = NULL;
@@ -143,6 +143,10 @@ int cmd_consume(int argc, char **argv, cli_global_t *g)
          "that no older topology or other P is declared",
          0, 0},
         CLI_OPTS_METRICS(&cfg.metrics_port, &cfg.metrics_addr),
+        {"--trusted-publisher", OPT_LIST, &trusted, "USER", "any publisher",
+         "accept only messages whose user_id is this RabbitMQ user (repeatable; the relay's "
+         "login user, an operator's who requeues): others are dead-lettered as untrusted",
+         0, 0},
         {0},
     };
     int rc = cli_parse("consume",
@@ -151,7 +155,7 @@ int cmd_consume(int argc, char **argv, cli_global_t *g)
                        "[--linger D] [--dedup-window D] [--max-message-bytes N] [--max-retries N] "
                        "[--heartbeat D] [--partitions P] [--partition I[,J...]] "
                        "[--lock-timeout D] [--statement-timeout D] [--no-declare] "
-                       "[--metrics-port PORT] [--metrics-addr ADDR]",
+                       "[--metrics-port PORT] [--metrics-addr ADDR] [--trusted-publisher USER]...",
                        argc, argv, opts, g);
     if (rc != 0)
         return rc == CLI_HELP_SHOWN ? CLI_EXIT_OK : rc;
@@ -185,6 +189,7 @@ int cmd_consume(int argc, char **argv, cli_global_t *g)
     cfg.amqp_url = g->amqp;
     cfg.exchange = g->exchange;
     cfg.binds = binds.n > 0 ? binds.items : NULL;
+    cfg.trusted_publishers = trusted.n > 0 ? trusted.items : NULL;
     cfg.stop = &cli_stop;
     cfg.reload = &cli_reload;
     cfg.reload_password = cli_reload_password;

@@ -8,7 +8,8 @@ from ops_helpers import add_outbox, emit, idem, parse_prometheus, scrape, value,
 from ops_helpers import relays  # noqa: F401  (fixture)
 
 DL_CODES = ["malformed_json", "missing_event_id", "invalid_event_id", "unknown_type", "oversized",
-            "invalid_payload", "handler_rejected", "retries_exhausted", "stale", "conflict"]
+            "invalid_payload", "handler_rejected", "retries_exhausted", "stale", "untrusted",
+            "conflict"]
 CONSUMER_COUNTERS = ["idem_consumer_applied_total", "idem_consumer_duplicates_total",
                      "idem_consumer_handler_errors_total"]
 RELAY_COUNTERS = ["idem_relay_published_total", "idem_relay_publish_failures_total",

@@ -530,10 +530,11 @@ static void test_code_names(void **state)
         [IDEMP_DL_INVALID_PAYLOAD] = "invalid_payload",
         [IDEMP_DL_HANDLER_REJECTED] = "handler_rejected",
         [IDEMP_DL_RETRIES_EXHAUSTED] = "retries_exhausted",
+        [IDEMP_DL_UNTRUSTED] = "untrusted",
         [IDEMP_DL_CONFLICT] = "conflict",
         [IDEMP_DL_STALE] = "stale",
     };
-    assert_int_equal(IDEMP_DL_COUNT, 11); /* the contract's ten codes plus NONE */
+    assert_int_equal(IDEMP_DL_COUNT, 12); /* the contract's eleven codes plus NONE */
     for (int c = 0; c < IDEMP_DL_COUNT; c++) {
         const char *name = idemp_dl_code_name((idemp_dl_code)c);
         assert_non_null(name);
@@ -549,6 +550,46 @@ static void test_code_names(void **state)
     assert_string_equal(idemp_dl_code_name(IDEMP_DL_COUNT), "");
     assert_string_equal(idemp_dl_code_name((idemp_dl_code)99), "");
     assert_string_equal(idemp_dl_code_name((idemp_dl_code)-1), "");
+}
+
+/* --trusted-publisher: the user_id property must be exactly one of the names. */
+static void test_trusted_publishers(void **state)
+{
+    (void)state;
+    static const char *const list[] = {"idem-relay", "ops", NULL};
+    static const char *const none[] = {NULL};
+    char why[200];
+    /* no list, or an empty one: every publisher, with or without user_id */
+    assert_true(idemp_envelope_trusted(S(NULL), NULL, why, sizeof why));
+    assert_true(idemp_envelope_trusted(S("anyone"), none, why, sizeof why));
+    assert_true(idemp_envelope_trusted(S("idem-relay"), list, why, sizeof why));
+    assert_true(idemp_envelope_trusted(S("ops"), list, why, sizeof why));
+    /* absent */
+    why[0] = '\0';
+    assert_false(idemp_envelope_trusted(S(NULL), list, why, sizeof why));
+    assert_non_null(strstr(why, "absent"));
+    /* exact match only: no prefix, no longer name, no case folding, no NUL trick */
+    const char *const wrong[] = {"idem", "idem-relay2", "IDEM-RELAY", "op", "", "ops "};
+    for (size_t i = 0; i < sizeof wrong / sizeof wrong[0]; i++) {
+        why[0] = '\0';
+        if (idemp_envelope_trusted(S(wrong[i]), list, why, sizeof why))
+            fail_msg("user_id '%s' was trusted", wrong[i]);
+        assert_non_null(strstr(why, "is not a trusted publisher"));
+    }
+    idemp_str_t nul = {"ops\0x", 5};
+    assert_false(idemp_envelope_trusted(nul, list, why, sizeof why));
+    idemp_str_t cut = {"opsx", 3}; /* not NUL-terminated: the length decides */
+    assert_true(idemp_envelope_trusted(cut, list, why, sizeof why));
+    /* the detail names the user, printable and bounded */
+    assert_false(idemp_envelope_trusted(S("mallory"), list, why, sizeof why));
+    assert_non_null(strstr(why, "'mallory'"));
+    char longname[300];
+    memset(longname, 'x', sizeof longname - 1);
+    longname[sizeof longname - 1] = '\0';
+    longname[5] = '\n';
+    assert_false(idemp_envelope_trusted(S(longname), list, why, sizeof why));
+    assert_null(strchr(why, '\n'));
+    assert_true(strlen(why) < 150);
 }
 
 int main(void)
@@ -571,6 +612,7 @@ int main(void)
         cmocka_unit_test(test_check_order),
         cmocka_unit_test(test_subscription_id),
         cmocka_unit_test(test_code_names),
+        cmocka_unit_test(test_trusted_publishers),
     };
     return cmocka_run_group_tests_name("envelope", tests, NULL, NULL);
 }
