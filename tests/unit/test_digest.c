@@ -86,11 +86,37 @@ static void test_what_changes_it(void **state)
     assert_string_not_equal(d, base);
 }
 
+/* A payload whose canonical form does not fit the stack buffer is streamed: the same digest as
+ * SHA-256 of the documented bytes. */
+static void test_large_payload(void **state)
+{
+    (void)state;
+    static char big[20000], json[20100], canon[20200];
+    memset(big, 'z', sizeof big - 1);
+    snprintf(json, sizeof json, "{\"b\":\"%s\",\"a\":1}", big);
+    int n = snprintf(canon, sizeof canon, "t%c%s%c{\"a\":1,\"b\":\"%s\"}", 0, SUB, 0, big);
+    char want[IDEMP_DIGEST_HEX], got[IDEMP_DIGEST_HEX];
+    sha256_hex(canon, (size_t)n, want);
+    digest_of("t", SUB, json, got);
+    assert_string_equal(got, want);
+    /* and around the buffer's edge */
+    for (size_t len = 4000; len < 4100; len += 7) {
+        big[len] = '\0';
+        snprintf(json, sizeof json, "{\"b\":\"%s\"}", big);
+        n = snprintf(canon, sizeof canon, "t%c%s%c{\"b\":\"%s\"}", 0, SUB, 0, big);
+        sha256_hex(canon, (size_t)n, want);
+        digest_of("t", SUB, json, got);
+        assert_string_equal(got, want);
+        big[len] = 'z';
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_canonical_form),
         cmocka_unit_test(test_what_changes_it),
+        cmocka_unit_test(test_large_payload),
     };
     return cmocka_run_group_tests_name("digest", tests, NULL, NULL);
 }
