@@ -67,9 +67,11 @@ def test_consumer_metrics_start_at_zero(db, queue, consumers):
 def test_consumer_counts_applied_duplicates_dead_letters(db, queue, consumers, broker,
                                                         dead_letters):
     c = consumers("billing", queue, db)
-    ids = [broker.publish_event("payment.failed", payload()) for _ in range(3)]
+    bodies = [payload() for _ in range(3)]
+    ids = [broker.publish_event("payment.failed", b) for b in bodies]
     c.wait_handled(3)
-    broker.publish_event("payment.failed", payload(), event_id=ids[0])  # duplicate
+    # a duplicate is the same event again (another content under its id would be a conflict)
+    broker.publish_event("payment.failed", bodies[0], event_id=ids[0])
     broker.publish_raw(b'{"invoice_id": ', routing_key="payment.failed", message_id=new_id(),
                        type="payment.failed")  # malformed JSON
     c.wait_handled(4)

@@ -29,18 +29,19 @@ def test_redelivery_after_apply_is_a_duplicate(db, queue, consumers, broker, dea
     c.wait_handled(1)
     assert db.dunning_step(body["subscription_id"]) == 1
 
-    # Two later deliveries of the same event, one of them with a different body (a redelivery is
-    # recognised by its event id alone).
+    # Two later deliveries under the same id: the same event again is a duplicate; another body
+    # is an id collision, dead-lettered as conflict and never applied.
     broker.publish_event("payment.failed", body, event_id=eid)
     broker.publish_event("payment.failed", dict(body, amount_cents=99), event_id=eid)
-    c.wait_handled(3)
-    assert c.metric("idem_consumer_duplicates_total") == 2
+    c.wait_handled(2)
+    c.wait_metric("idem_consumer_dead_lettered_total", 1, code="conflict")
+    assert c.metric("idem_consumer_duplicates_total") == 1
     assert c.stop() == 0
 
     assert db.dunning_step(body["subscription_id"]) == 1
     assert db.ledger() == [("billing", eid)]
     assert broker.depth(queue) == 0
-    assert dead_letters(queue).poll() == []
+    assert [m.error.split(":")[0] for m in dead_letters(queue).wait(1)] == ["conflict"]
 
 
 def test_distinct_events_each_applied(db, queue, consumers, broker):
