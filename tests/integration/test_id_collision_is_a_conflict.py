@@ -33,7 +33,7 @@ def test_real_event_after_a_forgery_is_a_conflict_not_a_duplicate(
     evil = payload(subscription_id=evil_sub, invoice_id=inv, amount_cents=1)
     broker.publish_event("receipt.requested", evil, event_id=receipt_id)
     c.wait_metric("idem_consumer_applied_total", 1)
-    assert db.query("SELECT subscription_id::text FROM receipts") == [(evil_sub,)]
+    assert db.query("SELECT subscription_id::text FROM billing.receipts") == [(evil_sub,)]
 
     # the real invoice is paid; its follow-up receipt has the same id and another content
     relay_daemons(name="relay", wait_ready=True)
@@ -49,7 +49,7 @@ def test_real_event_after_a_forgery_is_a_conflict_not_a_duplicate(
     assert m.header("subscription_id") == real_sub
     assert log_lines(c, rf" error +consumer: .*conflict.*event_id={receipt_id}"), c.log()[-3000:]
     assert c.metric("idem_consumer_duplicates_total") == 0
-    assert db.count("receipts") == 1  # nothing of the real one applied: it waits in the DLQ
+    assert db.count("billing.receipts") == 1  # nothing of the real one applied: it waits in the DLQ
 
     # the forgery's own body again is a plain duplicate, not a conflict
     broker.publish_event("receipt.requested", evil, event_id=receipt_id)
@@ -79,7 +79,7 @@ def test_same_content_other_form_is_a_duplicate(db, queue, broker, consumers, de
     c.wait_metric("idem_consumer_dead_lettered_total", 2, code="conflict")
     assert c.metric("idem_consumer_duplicates_total") == 1
     assert db.dunning_step(sub) == 1
-    assert db.count("receipts") == 0
+    assert db.count("billing.receipts") == 0
 
 
 def test_conflict_inside_one_batch(db, queue, broker, consumers, dead_letters):
@@ -112,8 +112,8 @@ def test_ledger_rows_without_digest_are_duplicates(db, queue, broker, consumers)
     """Rows written before the ledger kept digests: whatever comes with their id is a duplicate,
     as before."""
     eid = new_id()
-    db.execute("INSERT INTO consumed_events (consumer, event_id) VALUES ('billing', %s)", eid)
-    assert db.scalar("SELECT digest IS NULL FROM consumed_events WHERE event_id = %s", eid)
+    db.execute("INSERT INTO idem.consumed_events (consumer, event_id) VALUES ('billing', %s)", eid)
+    assert db.scalar("SELECT digest IS NULL FROM idem.consumed_events WHERE event_id = %s", eid)
     c = consumers("billing", queue, db)
     broker.publish_event("payment.failed", payload(), event_id=eid)
     c.wait_metric("idem_consumer_duplicates_total", 1)
@@ -130,11 +130,11 @@ def test_conflict_with_a_row_committed_while_the_claim_waited(db, queue, broker,
     sub = new_id()
     broker.publish_event("payment.failed", payload(subscription_id=sub), event_id=new_id())
     c.wait_metric("idem_consumer_applied_total", 1)  # its digest shows the column's form
-    other = db.scalar("SELECT encode(digest, 'hex') FROM consumed_events LIMIT 1")
+    other = db.scalar("SELECT encode(digest, 'hex') FROM idem.consumed_events LIMIT 1")
     assert other and len(other) == 64
     with db.connect(autocommit=False) as conn:
         with conn.cursor() as cur:
-            cur.execute("INSERT INTO consumed_events (consumer, event_id, digest) "
+            cur.execute("INSERT INTO idem.consumed_events (consumer, event_id, digest) "
                         "VALUES ('billing', %s, decode(%s, 'hex'))", (eid, other))
 
         def commit_later():

@@ -107,15 +107,15 @@ def test_forgery_by_another_user_is_untrusted_and_the_real_event_applied(
     assert forged.props.user_id is None
     assert by_id[absent].error.startswith("untrusted: "), by_id[absent].error
     assert "absent" in by_id[absent].error
-    assert db.count("receipts") == 0
+    assert db.count("billing.receipts") == 0
     assert db.ledger("billing") == [], "an untrusted delivery is never claimed"
 
     # the real invoice.paid, emitted later and relayed, and its follow-up receipt are applied
     relay_daemons(name="relay", wait_ready=True)
     body = payload(subscription_id=real_sub, invoice_id=inv, amount_cents=4200)
     ip = emit(db, "invoice.paid", real_sub, f"invoice:{inv}:paid", body)
-    wait_until(lambda: db.count("receipts") == 1, 20, 0.1, "the real receipt")
-    assert db.query("SELECT subscription_id::text, event_id::text FROM receipts") == [
+    wait_until(lambda: db.count("billing.receipts") == 1, 20, 0.1, "the real receipt")
+    assert db.query("SELECT subscription_id::text, event_id::text FROM billing.receipts") == [
         (real_sub, receipt_id)]
     c.wait_handled(2)
     assert sorted(e for _, e in db.ledger("billing")) == sorted([ip, receipt_id])
