@@ -49,6 +49,7 @@ LIB_SRCS := \
 	src/rmq_confirm.c \
 	src/rmq_deliver.c \
 	src/rmq_publish.c \
+	src/rmq_describe.c \
 	src/envelope.c \
 	src/registry.c \
 	src/policy.c \
