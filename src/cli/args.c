@@ -54,16 +54,16 @@ void cli_global_init(cli_global_t *g)
     g->format = IDEM_LOG_TEXT;
 }
 
-const char *cli_amqp_password(const cli_global_t *g, const char *cmd, char *buf, size_t sz,
-                              bool *failed)
+const char *cli_secret_file(const char *path, const char *cmd, const char *what, char *buf,
+                            size_t sz, bool *failed)
 {
     *failed = false;
-    if (g->amqp_password_file == NULL || g->amqp_password_file[0] == '\0')
+    if (path == NULL || path[0] == '\0')
         return NULL;
-    FILE *f = fopen(g->amqp_password_file, "r");
+    FILE *f = fopen(path, "r");
     if (f == NULL) {
-        fprintf(stderr, "idem %s: cannot read the AMQP password file %s: %s\n", cmd,
-                g->amqp_password_file, strerror(errno));
+        fprintf(stderr, "idem %s: cannot read the %s file %s: %s\n", cmd, what, path,
+                strerror(errno));
         *failed = true;
         return NULL;
     }
@@ -73,9 +73,9 @@ const char *cli_amqp_password(const cli_global_t *g, const char *cmd, char *buf,
     if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode) ||
         (st.st_mode & (st.st_uid == 0 ? 0037 : 0077)) != 0) {
         fprintf(stderr,
-                "idem %s: the AMQP password file %s is not a regular file, or group or others "
-                "may access it (mode %04o; chmod 600 it, or 640 owned by root)\n",
-                cmd, g->amqp_password_file, (unsigned)(st.st_mode & 07777));
+                "idem %s: the %s file %s is not a regular file, or group or others may access it "
+                "(mode %04o; chmod 600 it, or 640 owned by root)\n",
+                cmd, what, path, (unsigned)(st.st_mode & 07777));
         fclose(f);
         *failed = true;
         return NULL;
@@ -84,13 +84,19 @@ const char *cli_amqp_password(const cli_global_t *g, const char *cmd, char *buf,
     fclose(f);
     size_t n = ok ? strcspn(buf, "\r\n") : 0;
     if (!ok || n == 0 || n >= sz - 1) {
-        fprintf(stderr, "idem %s: the AMQP password file %s is empty or its line is too long\n",
-                cmd, g->amqp_password_file);
+        fprintf(stderr, "idem %s: the %s file %s is empty or its line is too long\n", cmd, what,
+                path);
         *failed = true;
         return NULL;
     }
     buf[n] = '\0';
     return buf;
+}
+
+const char *cli_amqp_password(const cli_global_t *g, const char *cmd, char *buf, size_t sz,
+                              bool *failed)
+{
+    return cli_secret_file(g->amqp_password_file, cmd, "AMQP password", buf, sz, failed);
 }
 
 void cli_apply_logging(const cli_global_t *g)

@@ -23,6 +23,9 @@ static const command_t commands[] = {
     {"failed", cmd_failed, "list failed (parked) outbox rows"},
     {"replay", cmd_replay, "return failed rows to pending"},
     {"retain", cmd_retain, "delete old sent outbox rows and old ledger rows in batches"},
+    {"console", cmd_console,
+     "the operator console: a web page of the backlog, failed rows and "
+     "dead letters, with actions"},
     {"dlq", cmd_dlq, "a consumer's dead-lettered messages (dlq list|show|discard|requeue)"},
     {NULL, NULL, NULL},
 };
