@@ -118,7 +118,8 @@ UNIT_TESTS := \
 CONSOLE_ASSETS := \
 	src/console/assets/index.html \
 	src/console/assets/console.css \
-	src/console/assets/console.js
+	src/console/assets/console.js \
+	src/console/assets/favicon.svg
 
 LIB_OBJS := $(LIB_SRCS:%.c=$(BUILD)/%.o) $(BUILD)/gen/console_assets.o
 HANDLER_OBJS := $(HANDLER_SRCS:%.c=$(BUILD)/%.o)

@@ -24,15 +24,18 @@ def listed(servers, queue):
 
 
 def fill_dlq(broker, queue, letters):
-    """Declares QUEUE.dlq as idem does (durable) and puts letters [(event_id, code), ...] in it,
-    persistent, in one connection with confirms."""
+    """Declares QUEUE.dlq (durable) unless it exists and puts letters [(event_id, code[, detail]),
+    ...] in it, persistent, in one connection with confirms."""
+    if broker.queue_info(queue + ".dlq") is None:  # else as idem declared it (quorum)
+        with broker.channel() as ch:
+            ch.queue_declare(queue=queue + ".dlq", durable=True)
     with broker.channel() as ch:
-        ch.queue_declare(queue=queue + ".dlq", durable=True)
         ch.confirm_delivery()
-        for eid, code in letters:
+        for eid, code, *detail in letters:
+            detail = detail[0] if detail else f"detail of {eid}"
             p = pika.BasicProperties(message_id=eid, type="payment.failed", delivery_mode=2,
                                      timestamp=int(time.time()), content_type="application/json",
-                                     headers={"x-idem-error": f"{code}: detail of {eid}"})
+                                     headers={"x-idem-error": f"{code}: {detail}"})
             ch.basic_publish(exchange="", routing_key=queue + ".dlq", properties=p,
                              body=json.dumps(payload()).encode())
 

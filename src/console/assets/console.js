@@ -84,11 +84,19 @@
     return b;
   }
 
-  function row(cells) {
+  // labels name the cells for the narrow layout, where each row is a card (console.css)
+  function row(cells, labels) {
     const tr = document.createElement('tr');
-    for (const c of cells) tr.appendChild(c);
+    cells.forEach((c, i) => {
+      if (labels && labels[i]) c.dataset.label = labels[i];
+      tr.appendChild(c);
+    });
     return tr;
   }
+
+  const BACKLOG = ['Event type', 'Pending', 'Oldest', 'Failed', 'Last minutes'];
+  const FAILED = ['Event id', 'Event type', 'Attempts', 'Created', 'Last error', ''];
+  const LETTERS = ['Event id', 'Event type', 'Code', 'Detail', 'Age', ''];
 
   function td(text, cls) { return el('td', text, cls); }
 
@@ -103,7 +111,8 @@
       const spark = td(null);
       spark.appendChild(sparkline(history.map((s) => (s.types[t.event_type] || [0])[0] || 0), old));
       tbody.appendChild(row([td(t.event_type, 'mono'), td(t.pending, 'num'),
-        td(age(t.oldest_pending_seconds), old ? 'num old' : 'num'), td(t.failed, 'num'), spark]));
+        td(age(t.oldest_pending_seconds), old ? 'num old' : 'num'), td(t.failed, 'num'), spark],
+        BACKLOG));
     }
     if (status.event_types.length === 0) {
       const c = td('nothing pending, nothing failed', 'empty');
@@ -114,7 +123,7 @@
     const spark = td(null);
     spark.appendChild(sparkline(history.map((s) => s.pending || 0), tot.oldest_pending_seconds > limit));
     foot.appendChild(row([td('total'), td(tot.pending, 'num'), td(age(tot.oldest_pending_seconds), 'num'),
-      td(tot.failed, 'num'), spark]));
+      td(tot.failed, 'num'), spark], BACKLOG));
     const banner = $('banner');
     if (tot.oldest_pending_seconds !== null && tot.oldest_pending_seconds > limit) {
       banner.textContent = 'The oldest pending event is ' + age(tot.oldest_pending_seconds) +
@@ -137,7 +146,7 @@
           (j) => 'Replayed ' + r.event_id + ': ' + j.replayed + ' row returned to pending');
       }));
       tbody.appendChild(row([td(r.event_id, 'id'), td(r.event_type, 'mono'), td(r.attempts, 'num'),
-        td(r.created_at, 'hide-narrow'), td(r.last_error, 'err'), actions]));
+        td(r.created_at, 'nowrap'), td(r.last_error, 'err'), actions], FAILED));
     }
     if (rows.length === 0) {
       const c = td('no failed rows', 'empty');
@@ -177,7 +186,8 @@
     const wrap = el('div', null, 'wrap');
     const table = document.createElement('table');
     table.dataset.queue = queue;
-    const head = row(['Event id', 'Event type', 'Code', 'Detail', 'Age', ''].map((h) => el('th', h)));
+    table.className = 'cards';
+    const head = row(LETTERS.map((h) => el('th', h)));
     table.createTHead().appendChild(head);
     const tbody = table.createTBody();
     for (const m of letters) {
@@ -208,7 +218,7 @@
           }
         }));
       tbody.appendChild(row([td(id, 'id'), td(m.event_type, 'mono'), td(m.code, 'mono'),
-        td(m.detail, 'err'), td(age(m.age_seconds), 'num'), actions]));
+        td(m.detail, 'err'), td(age(m.age_seconds), 'num'), actions], LETTERS));
     }
     if (letters.length === 0) {
       const c = td('no dead letters', 'empty');
