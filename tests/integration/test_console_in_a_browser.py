@@ -9,6 +9,8 @@ import json
 import os
 import time
 
+import pytest
+
 from browser_helpers import browser  # noqa: F401
 from conftest import new_id, payload, wait_until
 from console_helpers import TOKEN, consoles  # noqa: F401
@@ -103,6 +105,7 @@ def test_read_only_page_and_a_phone(db, servers, broker, queue, consoles, browse
     assert png.startswith(b"\x89PNG")
 
 
+@pytest.mark.slow  # about 35 s: a backlog grown over 8 s of samples, two screenshots
 def test_screenshots_of_a_real_backlog(db, servers, broker, queues, consoles, browser, tmp_path):
     out = os.environ.get("IDEM_CONSOLE_SCREENSHOTS") or str(tmp_path)
     tag = new_id()[:4]
@@ -126,8 +129,9 @@ def test_screenshots_of_a_real_backlog(db, servers, broker, queues, consoles, br
     # a backlog that grows while the console samples it (no relay runs)
     for step in range(8):
         for t, n in (("invoice.paid", 6), ("payment.failed", 3), ("receipt.requested", 1)):
-            for _ in range(n * (1 + step % 3)):
-                emit(db, t, payload())
+            db.execute("SELECT idem_emit(%s, gen_random_uuid(), gen_random_uuid()::text, "
+                       "%s::jsonb) FROM generate_series(1, %s)", t, json.dumps(payload()),
+                       n * (1 + step % 3))
         time.sleep(1)
     db.execute("UPDATE event_outbox SET created_at = created_at - interval '7 minutes' "
                "WHERE event_id = (SELECT event_id FROM event_outbox WHERE status = 'pending' "
@@ -148,6 +152,7 @@ def test_screenshots_of_a_real_backlog(db, servers, broker, queues, consoles, br
     desktop = page.screenshot(os.path.join(out, "console.png"))
     page.open(con.base + "/#token=" + TOKEN, width=390, height=844, mobile=True, scale=2)
     page.wait("document.querySelectorAll('#backlog tbody tr').length === 3")
+    page.eval("window.scrollTo(0, 0)")
     phone = page.screenshot(os.path.join(out, "console-phone.png"), full=False)
     for png in (desktop, phone):
         assert png.startswith(b"\x89PNG") and len(png) > 20000
