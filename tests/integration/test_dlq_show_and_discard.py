@@ -8,6 +8,7 @@ import subprocess
 import time
 
 import pika
+import pytest
 
 from conftest import IDEM, new_id, payload, run_idem, wait_until
 from test_failing_handler_retried_then_dead_lettered import inject_failure
@@ -121,6 +122,7 @@ def test_discard_by_id_by_code_and_all(queue, broker, servers):
     assert r.returncode == 1 and "does not exist" in r.stderr, r.stderr
 
 
+@pytest.mark.slow  # a RabbitMQ restart
 def test_rabbitmq_stopped_mid_discard_loses_nothing_else(queue, broker, servers):
     n = 3000
     letters = [(new_id(), "handler_rejected" if i % 2 == 0 else "malformed_json")
