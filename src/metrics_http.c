@@ -412,7 +412,14 @@ static void serve_handler(idemp_http_t *h, conn_t *c, char *end)
         req.query = q + 1;
     }
     idemp_http_resp_t resp = {200, NULL, NULL, 0, NULL};
+    int64_t t0 = idemp_now_ms();
     h->handler(h->ud, &req, &resp);
+    /* the time this answer took (an action can take seconds) does not count against the
+     * deadlines of the others, which were waiting for us */
+    int64_t took = idemp_now_ms() - t0;
+    for (int i = 0; i < HTTP_CONNS; i++)
+        if (&h->conns[i] != c && h->conns[i].fd >= 0)
+            h->conns[i].since += took;
     send_resp(c, &resp, strcmp(method, "HEAD") == 0);
 }
 

@@ -5,6 +5,7 @@ hostile event types, errors and dead-letter details come back as JSON strings, t
 inline script and a strict Content-Security-Policy; oversized requests, unknown queues and
 foreign Host headers are refused."""
 
+import contextlib
 import json
 import os
 import re
@@ -263,3 +264,40 @@ def test_token_file_and_listen_checked_at_start(db, servers, tmp_path):
     assert r.returncode == 1 and "not a numeric IP address" in r.stderr
     r = subprocess.run([IDEM, "console", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "127.0.0.1:8080" in r.stdout and "--token-file" in r.stdout
+
+
+def test_a_slow_action_does_not_cost_the_others_their_answer(db, servers, broker, queue,
+                                                             consoles):
+    n = 6000
+    letters = [(new_id(), "handler_rejected") for _ in range(n)]
+    fill_dlq(broker, queue, letters)
+    with broker.channel() as ch:
+        ch.queue_declare(queue=queue, durable=True)
+    c = consoles(db, queues=[queue])
+    import threading
+    got = {}
+    # a connection the server has accepted, as a browser opens several at once
+    other = socket.create_connection(("127.0.0.1", c.port), timeout=30)
+    t0 = time.monotonic()
+    time.sleep(0.5)
+
+    def requeue():
+        got["r"] = c.post("/api/dlq/requeue", {"queue": queue, "event_id": letters[-1][0]})
+        got["done"] = time.monotonic()
+
+    t = threading.Thread(target=requeue)
+    t.start()
+    time.sleep(0.3)
+    # its request comes while the requeue walks the DLQ: answered after it, not dropped at the
+    # read deadline for the time the requeue took
+    other.sendall(b"GET /api/config HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n\r\n" % c.port)
+    answer = b""
+    with contextlib.suppress(OSError):
+        while chunk := other.recv(65536):
+            answer += chunk
+    other.close()
+    t.join(60)
+    assert got["r"] == (200, {"requeued": 1})
+    age = got["done"] - t0  # of the waiting connection when the requeue was answered
+    assert age > 2.3, f"the requeue was over after {age:.1f}s, within the read deadline"
+    assert answer.startswith(b"HTTP/1.1 200"), answer
