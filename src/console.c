@@ -64,9 +64,14 @@ static void sample(idemp_console_t *c, PGconn **conn, json_t *samples)
         *conn = NULL;
     }
     if (status == NULL) {
-        idem_log(IDEM_LOG_WARN, "console", NULL, "cannot sample the backlog: %s", err.text);
+        if (!c->failing) /* once per outage, not every sample */
+            idem_log(IDEM_LOG_WARN, "console", NULL, "cannot sample the backlog: %s", err.text);
+        c->failing = true;
         return;
     }
+    if (c->failing)
+        idem_log(IDEM_LOG_INFO, "console", NULL, "sampling the backlog again");
+    c->failing = false;
     json_t *s = sample_of(status);
     json_decref(status);
     if (s == NULL || json_array_append_new(samples, s) != 0)

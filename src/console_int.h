@@ -24,6 +24,7 @@ typedef struct idemp_console {
     bool loopback; /* listening on a loopback address: the Host header must name it */
     pthread_mutex_t mu;
     char *history; /* JSON text of the backlog samples (under mu; NULL before the first) */
+    bool failing;  /* the last sample failed (the sampler's thread only) */
 } idemp_console_t;
 
 /* The HTTP handler of the page and the API (console_api.c); runs on the server's thread. */
