@@ -104,7 +104,7 @@ def test_actions_need_the_token_and_follow_the_cli_rules(db, servers, consoles):
     assert c.post("/api/replay", {"event_id": fresh}, token="wrong")[0] == 403
     assert c.post("/api/replay", {"event_id": fresh}, token=TOKEN[:-1])[0] == 403
     assert c.post("/api/replay", {"event_id": fresh}, token=TOKEN + "x")[0] == 403
-    assert db.scalar("SELECT status FROM event_outbox WHERE event_id = %s", fresh) == "failed"
+    assert db.scalar("SELECT status FROM idem.event_outbox WHERE event_id = %s", fresh) == "failed"
     # a JSON body only (a form post from another site cannot be one without a preflight)
     s, _, _ = c.request("POST", "/api/replay", raw=json.dumps({"event_id": fresh}).encode(),
                         headers={"Content-Type": "text/plain"})
@@ -113,14 +113,14 @@ def test_actions_need_the_token_and_follow_the_cli_rules(db, servers, consoles):
     # the CLI's rules: a stale row is refused and stays failed, a row that is not failed is 404
     status, body = c.post("/api/replay", {"event_id": stale})
     assert status == 409 and "dedup window" in body["error"], body
-    assert db.scalar("SELECT status FROM event_outbox WHERE event_id = %s", stale) == "failed"
+    assert db.scalar("SELECT status FROM idem.event_outbox WHERE event_id = %s", stale) == "failed"
     assert c.post("/api/replay", {"event_id": pending})[0] == 404
     assert c.post("/api/replay", {"event_id": "not-a-uuid"})[0] == 400
     assert c.post("/api/replay", {"nothing": 1})[0] == 400
 
     status, body = c.post("/api/replay", {"event_id": fresh.upper()})
     assert (status, body) == (200, {"replayed": 1})
-    assert db.query("SELECT status, attempts FROM event_outbox WHERE event_id = %s",
+    assert db.query("SELECT status, attempts FROM idem.event_outbox WHERE event_id = %s",
                     fresh)[0] == ("pending", 0)
     assert "replay" in c.log() and fresh in c.log() and TOKEN not in c.log()
 
@@ -138,7 +138,7 @@ def test_read_only_without_a_token_file(db, servers, broker, queue, consoles):
         status, got = c.post(path, body, token=TOKEN)
         assert status == 403 and "read-only" in got["error"], (path, got)
         assert c.post(path, body, token=None)[0] == 403
-    assert db.scalar("SELECT status FROM event_outbox WHERE event_id = %s", eid) == "failed"
+    assert db.scalar("SELECT status FROM idem.event_outbox WHERE event_id = %s", eid) == "failed"
     assert broker.depth(queue + ".dlq") == 1
     assert c.json("/api/failed")[0]["event_id"] == eid  # reads still work
 

@@ -129,12 +129,12 @@ def test_screenshots_of_a_real_backlog(db, servers, broker, queues, consoles, br
     # a backlog that grows while the console samples it (no relay runs)
     for step in range(8):
         for t, n in (("invoice.paid", 6), ("payment.failed", 3), ("receipt.requested", 1)):
-            db.execute("SELECT idem_emit(%s, gen_random_uuid(), gen_random_uuid()::text, "
+            db.execute("SELECT idem.idem_emit(%s, gen_random_uuid(), gen_random_uuid()::text, "
                        "%s::jsonb) FROM generate_series(1, %s)", t, json.dumps(payload()),
                        n * (1 + step % 3))
         time.sleep(1)
-    db.execute("UPDATE event_outbox SET created_at = created_at - interval '7 minutes' "
-               "WHERE event_id = (SELECT event_id FROM event_outbox WHERE status = 'pending' "
+    db.execute("UPDATE idem.event_outbox SET created_at = created_at - interval '7 minutes' "
+               "WHERE event_id = (SELECT event_id FROM idem.event_outbox WHERE status = 'pending' "
                "AND event_type = 'invoice.paid' ORDER BY created_at LIMIT 1)")
     time.sleep(1.5)
     page = browser.page()

@@ -33,11 +33,11 @@ def test_postgres_stopped_during_a_replay(db, servers, queue, consumers, relays,
     try:
         with db.connect(autocommit=False) as blocker:
             with blocker.cursor() as cur:
-                cur.execute("LOCK TABLE event_outbox IN ACCESS EXCLUSIVE MODE")
+                cur.execute("LOCK TABLE idem.event_outbox IN ACCESS EXCLUSIVE MODE")
             t, out = in_thread(lambda: con.post("/api/replay", {"event_id": eid}))
             wait_until(lambda: db.scalar(
                 "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND "
-                "wait_event_type = 'Lock' AND query LIKE 'UPDATE event_outbox SET status = ''pending''%'")
+                "wait_event_type = 'Lock' AND query LIKE 'UPDATE idem.event_outbox SET status = ''pending''%'")
                 >= 1, 15, 0.05,
                 "the replay waiting for its row")
             servers.pg_stop_immediate()
@@ -65,7 +65,7 @@ def test_postgres_stopped_during_a_replay(db, servers, queue, consumers, relays,
 
 def _row(db, eid):
     try:
-        return db.query("SELECT status, attempts FROM event_outbox WHERE event_id = %s", eid)[0]
+        return db.query("SELECT status, attempts FROM idem.event_outbox WHERE event_id = %s", eid)[0]
     except Exception:
         return None
 
