@@ -31,14 +31,14 @@ def test_replay_requeue_and_discard_clicked_in_the_page(db, servers, broker, que
     sub_r, sub_q = new_id(), new_id()
     replay_id = emit(db, "payment.failed", payload(subscription_id=sub_r))
     park(db, replay_id, error="basic.return: 312 NO_ROUTE <script>window.pwned=2</script>")
-    inject_failure(db, "dunning", "P0001")
+    inject_failure(db, "billing.dunning", "P0001")
     c = consumers("billing", queue, db)
     requeue_id = broker.publish_event("payment.failed", payload(subscription_id=sub_q))
     discard_id = new_id()
     broker.publish_raw(json.dumps(payload()), routing_key="payment.failed",
                        message_id=discard_id, type=HOSTILE_TYPE, timestamp=int(time.time()))
     c.wait_metric("idem_consumer_dead_lettered_total", 2)
-    remove_failure(db, "dunning")  # the cause is fixed: now the operator acts
+    remove_failure(db, "billing.dunning")  # the cause is fixed: now the operator acts
     relays()
     con = consoles(db, queues=[queue])
 

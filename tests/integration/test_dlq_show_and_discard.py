@@ -44,7 +44,7 @@ def fill_dlq(broker, queue, letters):
 
 
 def test_show_prints_one_dead_letter_and_leaves_it(db, queue, consumers, broker, servers):
-    inject_failure(db, "dunning", "P0001")
+    inject_failure(db, "billing.dunning", "P0001")
     c = consumers("billing", queue, db)
     body = payload()
     eid = broker.publish_event("payment.failed", body, timestamp=int(time.time()) - 30,
