@@ -28,7 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # they map to, the utilities.
 LAYERS = [
     ("cli", ["cli", "handlers"]),
-    ("runtime", ["consumer", "relay", "outbox", "migrate", "retain", "status", "replay", "dlq"]),
+    ("runtime", ["consumer", "relay", "outbox", "migrate", "retain", "status", "replay", "dlq",
+                 "console"]),
     ("handler API", ["event", "registry", "policy"]),
     ("adapters", ["pg", "rmq", "metrics"]),
     ("wire format", ["envelope", "digest"]),

@@ -5,6 +5,7 @@ set -euo pipefail
 
 # Everything `make test`, `make test-slow`, .ci/run and `make demo` call: a minimal Debian 12 lacks
 # the last line's packages too (ps; systemd-analyze, groff and man for the deployment kit's tests).
+# chromium and python3-websocket: the console's browser tests (headless, over DevTools).
 pkgs=(
   build-essential make pkg-config clang-format
   postgresql-15 postgresql rabbitmq-server
@@ -12,6 +13,7 @@ pkgs=(
   amqp-tools python3 python3-pika python3-psycopg2 python3-pytest openssl valgrind
   faketime pgbouncer gnuplot-nox
   procps systemd groff-base man-db
+  chromium python3-websocket
 )
 # make fuzz: libFuzzer comes with Debian's clang (not needed to build or test)
 if [ "${1:-}" = "--fuzz" ]; then

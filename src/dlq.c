@@ -1,7 +1,7 @@
-/* dlq.c - the dead-letter queue of a consumer: list what is in QUEUE.dlq without taking it, and
- * move chosen messages back to the consumer's queue (each publish confirmed before its DLQ copy
- * is acked, so a crash in between leaves a copy in both places, never in neither; the ledger
- * absorbs the extra one). */
+/* dlq.c - the dead-letter queue of a consumer: list or show what is in QUEUE.dlq without taking
+ * it, discard chosen messages for good, and move chosen messages back to the consumer's queue (each
+ * publish confirmed before its DLQ copy is acked, so a crash in between leaves a copy in both
+ * places, never in neither; the ledger absorbs the extra one). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -213,22 +213,18 @@ static void shard_key(const idemp_msg_t *m, char *out, size_t n)
         out[0] = '\0';
 }
 
-int idem_dlq_requeue(const idem_dlq_config_t *cfg, int *moved, idem_error_t *err)
+/* What is done with a selected message before its DLQ copy is acked (NULL: nothing, i.e. it is
+ * discarded). */
+typedef int (*dlq_action_fn)(void *ud, const idemp_msg_t *m, idem_error_t *err);
+
+/* Takes each selected message of dlq once, applies fn, then acks it: a failure or a crash before
+ * the ack leaves it in the DLQ. What is not selected is held unacked until the connection closes,
+ * which gives it back in its place. *count counts the acked ones. */
+static int take_selected(const idem_dlq_config_t *cfg, idemp_amqp_t *in, const char *dlq,
+                         dlq_action_fn fn, void *ud, int *count, idem_error_t *err)
 {
-    *moved = 0;
-    char *dlq = dlq_name(cfg->queue), *exchange = NULL;
-    const char *key = NULL;
-    if (dlq == NULL)
-        return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
-    idemp_amqp_t *in = connect_to(cfg, false, err);
-    idemp_amqp_t *out = in ? connect_to(cfg, true, err) : NULL;
-    int rc = out ? IDEM_OK : err->code;
     uint32_t depth = 0;
-    if (rc == IDEM_OK)
-        rc = idemp_amqp_queue_depth(in, dlq, &depth, err);
-    if (rc == IDEM_OK)
-        rc = target(out, cfg->queue, &exchange, &key, err);
-    /* each message at most once: the ones left are held unacked until the end */
+    int rc = idemp_amqp_queue_depth(in, dlq, &depth, err);
     for (uint32_t i = 0; rc == IDEM_OK && i < depth; i++) {
         idemp_msg_t *m = NULL;
         rc = idemp_amqp_get(in, dlq, BODY_MAX, &m, err);
@@ -237,24 +233,115 @@ int idem_dlq_requeue(const idem_dlq_config_t *cfg, int *moved, idem_error_t *err
             break;
         }
         if (rc == IDEM_OK && selected(cfg, m)) {
-            char shard[24];
-            if (key == NULL)
-                shard_key(m, shard, sizeof shard);
-            rc = idemp_amqp_requeue(out, m, exchange, key ? key : shard, CONFIRM_TIMEOUT_MS, err);
+            rc = fn != NULL ? fn(ud, m, err) : IDEM_OK;
             if (rc == IDEM_OK)
                 rc = idemp_amqp_ack(in, idemp_msg_tag(m), false, err);
             if (rc == IDEM_OK)
-                (*moved)++;
+                (*count)++;
         }
         idemp_msg_free(m);
     }
+    return rc;
+}
+
+typedef struct requeue_target {
+    idemp_amqp_t *out;
+    char *exchange;
+    const char *key; /* NULL: each message's shard key */
+} requeue_target_t;
+
+static int requeue_one(void *ud, const idemp_msg_t *m, idem_error_t *err)
+{
+    requeue_target_t *t = ud;
+    char shard[24];
+    if (t->key == NULL)
+        shard_key(m, shard, sizeof shard);
+    return idemp_amqp_requeue(t->out, m, t->exchange, t->key ? t->key : shard, CONFIRM_TIMEOUT_MS,
+                              err);
+}
+
+int idem_dlq_requeue(const idem_dlq_config_t *cfg, int *moved, idem_error_t *err)
+{
+    *moved = 0;
+    char *dlq = dlq_name(cfg->queue);
+    if (dlq == NULL)
+        return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+    requeue_target_t t = {0};
+    idemp_amqp_t *in = connect_to(cfg, false, err);
+    t.out = in ? connect_to(cfg, true, err) : NULL;
+    int rc = t.out ? IDEM_OK : err->code;
+    if (rc == IDEM_OK)
+        rc = target(t.out, cfg->queue, &t.exchange, &t.key, err);
+    if (rc == IDEM_OK)
+        rc = take_selected(cfg, in, dlq, requeue_one, &t, moved, err);
     if (in != NULL)
         idemp_amqp_disconnect(in, NULL); /* gives back what was not moved */
-    if (out != NULL)
-        idemp_amqp_disconnect(out, NULL);
+    if (t.out != NULL)
+        idemp_amqp_disconnect(t.out, NULL);
     idemp_amqp_free(in);
-    idemp_amqp_free(out);
-    free(exchange);
+    idemp_amqp_free(t.out);
+    free(t.exchange);
     free(dlq);
     return rc;
+}
+
+int idem_dlq_discard(const idem_dlq_config_t *cfg, int *discarded, idem_error_t *err)
+{
+    *discarded = 0;
+    char *dlq = dlq_name(cfg->queue);
+    if (dlq == NULL)
+        return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+    idemp_amqp_t *in = connect_to(cfg, false, err);
+    int rc = in ? take_selected(cfg, in, dlq, NULL, NULL, discarded, err) : err->code;
+    if (in != NULL)
+        idemp_amqp_disconnect(in, NULL); /* gives back what was not selected */
+    idemp_amqp_free(in);
+    free(dlq);
+    return rc;
+}
+
+int idem_dlq_show(const idem_dlq_config_t *cfg, json_t **out, idem_error_t *err)
+{
+    *out = NULL;
+    if (cfg->event_id == NULL)
+        return idem_error_set(err, IDEM_ERR_INVALID, "dlq show needs an event id");
+    char *dlq = dlq_name(cfg->queue);
+    if (dlq == NULL)
+        return idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+    idemp_amqp_t *a = connect_to(cfg, false, err);
+    int rc = a ? IDEM_OK : err->code;
+    uint32_t depth = 0;
+    if (rc == IDEM_OK)
+        rc = idemp_amqp_queue_depth(a, dlq, &depth, err);
+    json_t *found = NULL;
+    int64_t now = idemp_wall_ms();
+    /* nothing is acked: closing the channel gives every message back, in its place */
+    for (uint32_t i = 0; rc == IDEM_OK && found == NULL && i < depth; i++) {
+        idemp_msg_t *m = NULL;
+        rc = idemp_amqp_get(a, dlq, BODY_MAX, &m, err);
+        if (rc == IDEM_ERR_NOT_FOUND) {
+            rc = IDEM_OK;
+            break;
+        }
+        if (rc == IDEM_OK && selected(cfg, m)) {
+            found = describe(m, now);
+            json_t *more = idemp_msg_describe(m);
+            if (found == NULL || more == NULL || json_object_update(found, more) != 0)
+                rc = idem_error_set(err, IDEM_ERR_NOMEM, "out of memory");
+            json_decref(more);
+        }
+        idemp_msg_free(m);
+    }
+    if (a != NULL)
+        idemp_amqp_disconnect(a, NULL);
+    idemp_amqp_free(a);
+    if (rc == IDEM_OK && found == NULL)
+        rc = idem_error_set(err, IDEM_ERR_NOT_FOUND, "event %s is not in %s", cfg->event_id, dlq);
+    free(dlq);
+    if (rc != IDEM_OK) {
+        json_decref(found);
+        return rc;
+    }
+    *out = found;
+    return IDEM_OK;
 }

@@ -425,42 +425,11 @@ int idemp_metrics_serve(idemp_metrics_t *m, const char *addr, int port, idem_err
 {
     if (m == NULL || port == 0)
         return IDEM_OK;
-    if (addr == NULL || *addr == '\0')
-        addr = "127.0.0.1";
-    if (port < 0 || port > 65535)
-        return idem_error_set(err, IDEM_ERR_INVALID,
-                              "cannot serve metrics on port %d: not a TCP port", port);
     if (m->http != NULL)
         return idem_error_set(err, IDEM_ERR_INVALID, "metrics are already being served");
-    struct addrinfo hints, *ai = NULL;
-    memset(&hints, 0, sizeof hints);
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_PASSIVE | AI_NUMERICHOST | AI_NUMERICSERV;
-    char portstr[8];
-    snprintf(portstr, sizeof portstr, "%d", port);
-    int g = getaddrinfo(addr, portstr, &hints, &ai);
-    if (g != 0)
-        return idem_error_set(err, IDEM_ERR_INVALID,
-                              "cannot serve metrics on %s: not a numeric IP address (%s)", addr,
-                              gai_strerror(g));
-    /* bound here, so that a port in use is reported with the kernel's own reason */
-    int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) {
-        freeaddrinfo(ai);
-        return idem_error_set(err, IDEM_ERR_IO, "cannot serve metrics on port %d at %s: socket: %s",
-                              port, addr, strerror(errno));
-    }
-    int one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one); /* restart over TIME_WAIT */
-    if (bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || listen(fd, 512) != 0) {
-        int e = errno;
-        close(fd);
-        freeaddrinfo(ai);
-        return idem_error_set(err, IDEM_ERR_IO, "cannot serve metrics on port %d at %s: %s", port,
-                              addr, strerror(e));
-    }
-    freeaddrinfo(ai);
+    int fd = idemp_http_listen(addr, port, "metrics", err);
+    if (fd < 0)
+        return err != NULL ? err->code : IDEM_ERR_IO;
     m->http = idemp_http_start(fd, render_cb, health_cb, m, err);
     if (m->http == NULL) {
         close(fd);

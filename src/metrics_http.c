@@ -1,4 +1,5 @@
-/* metrics_http.c - the /metrics endpoint: a small HTTP/1.x server on its own thread.
+/* metrics_http.c - the /metrics endpoint: a small HTTP/1.x server on its own thread; the console
+ * serves its page and API through the same loop with a handler of its own.
  *
  * It answers GET and HEAD /metrics and /healthz (404 for other paths, 405 for other methods;
  * /healthz is 200 or 503 with one line, see idemp_metrics_healthz) and closes each connection after
@@ -7,8 +8,10 @@
  * nothing (or dribble) can never keep a scrape out; a request must arrive within HTTP_READ_MS. One
  * poll loop, no allocation per byte. */
 #define _GNU_SOURCE /* accept4, pipe2 */
+#include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <netdb.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -26,11 +29,12 @@
 #define HTTP_READ_MS 2000
 #define HTTP_WRITE_MS 5000
 #define HTTP_REQ_MAX 4096
+#define HTTP_IN_MAX (HTTP_REQ_MAX + IDEMP_HTTP_BODY_MAX)
 
 typedef struct conn {
     int fd; /* -1 when free */
     int64_t since;
-    char in[HTTP_REQ_MAX];
+    char in[HTTP_IN_MAX];
     size_t inlen;
     char *out; /* the whole response, written as the socket takes it */
     size_t outlen, outoff;
@@ -41,6 +45,7 @@ struct idemp_http {
     int wake[2]; /* a pipe: stop */
     idemp_http_render_fn render;
     idemp_http_health_fn health;
+    idemp_http_handler_fn handler; /* NULL: /metrics */
     void *ud;
     pthread_t thread;
     atomic_bool stop;
@@ -123,9 +128,12 @@ static void serve(idemp_http_t *h, conn_t *c)
         respond(h, c, 200, "OK", NULL, head, "text/plain; version=0.0.4; charset=utf-8");
 }
 
+static void serve_handler(idemp_http_t *h, conn_t *c, char *end);
+
 static void on_readable(idemp_http_t *h, conn_t *c)
 {
-    ssize_t n = read(c->fd, c->in + c->inlen, sizeof c->in - 1 - c->inlen);
+    size_t room = (h->handler ? sizeof c->in : HTTP_REQ_MAX) - 1 - c->inlen;
+    ssize_t n = read(c->fd, c->in + c->inlen, room);
     if (n <= 0) {
         if (n < 0 && (errno == EAGAIN || errno == EINTR))
             return;
@@ -134,9 +142,12 @@ static void on_readable(idemp_http_t *h, conn_t *c)
     }
     c->inlen += (size_t)n;
     c->in[c->inlen] = '\0';
-    if (strstr(c->in, "\r\n\r\n") != NULL || strstr(c->in, "\n\n") != NULL)
+    char *end = strstr(c->in, "\r\n\r\n");
+    if (h->handler != NULL && (end != NULL || (end = strstr(c->in, "\n\n")) != NULL))
+        serve_handler(h, c, end);
+    else if (strstr(c->in, "\r\n\r\n") != NULL || strstr(c->in, "\n\n") != NULL)
         serve(h, c);
-    else if (c->inlen == sizeof c->in - 1)
+    else if (c->inlen >= HTTP_REQ_MAX - 1)
         respond(h, c, 431, "Request Header Fields Too Large", "request header too large\n", false,
                 "text/plain");
 }
@@ -224,8 +235,8 @@ static void *loop(void *arg)
     return NULL;
 }
 
-idemp_http_t *idemp_http_start(int listen_fd, idemp_http_render_fn render,
-                               idemp_http_health_fn health, void *ud, idem_error_t *err)
+static idemp_http_t *start(int listen_fd, idemp_http_render_fn render, idemp_http_health_fn health,
+                           idemp_http_handler_fn handler, void *ud, idem_error_t *err)
 {
     idemp_http_t *h = calloc(1, sizeof *h);
     if (h == NULL) {
@@ -235,6 +246,7 @@ idemp_http_t *idemp_http_start(int listen_fd, idemp_http_render_fn render,
     h->listen_fd = listen_fd;
     h->render = render;
     h->health = health;
+    h->handler = handler;
     h->ud = ud;
     for (int i = 0; i < HTTP_CONNS; i++)
         h->conns[i].fd = -1;
@@ -256,6 +268,18 @@ idemp_http_t *idemp_http_start(int listen_fd, idemp_http_render_fn render,
     return h;
 }
 
+idemp_http_t *idemp_http_start(int listen_fd, idemp_http_render_fn render,
+                               idemp_http_health_fn health, void *ud, idem_error_t *err)
+{
+    return start(listen_fd, render, health, NULL, ud, err);
+}
+
+idemp_http_t *idemp_http_start_handler(int listen_fd, idemp_http_handler_fn fn, void *ud,
+                                       idem_error_t *err)
+{
+    return start(listen_fd, NULL, NULL, fn, ud, err);
+}
+
 void idemp_http_stop(idemp_http_t *h)
 {
     if (h == NULL)
@@ -270,4 +294,186 @@ void idemp_http_stop(idemp_http_t *h)
     close(h->wake[1]);
     close(h->listen_fd);
     free(h);
+}
+
+/* ---- an application's requests ------------------------------------------------------------ */
+
+static const char *reason_of(int status)
+{
+    switch (status) {
+    case 200:
+        return "OK";
+    case 400:
+        return "Bad Request";
+    case 401:
+        return "Unauthorized";
+    case 403:
+        return "Forbidden";
+    case 404:
+        return "Not Found";
+    case 405:
+        return "Method Not Allowed";
+    case 409:
+        return "Conflict";
+    case 411:
+        return "Length Required";
+    case 413:
+        return "Content Too Large";
+    case 415:
+        return "Unsupported Media Type";
+    case 431:
+        return "Request Header Fields Too Large";
+    case 502:
+        return "Bad Gateway";
+    case 503:
+        return "Service Unavailable";
+    default:
+        return status >= 500 ? "Internal Server Error" : "Error";
+    }
+}
+
+static void send_resp(conn_t *c, idemp_http_resp_t *r, bool head)
+{
+    char hdr[2048];
+    int n = snprintf(hdr, sizeof hdr,
+                     "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n"
+                     "Connection: close\r\n%s\r\n",
+                     r->status, reason_of(r->status), r->ctype ? r->ctype : "application/json",
+                     r->body ? r->len : 0, r->headers ? r->headers : "");
+    size_t blen = head || r->body == NULL ? 0 : r->len;
+    c->out = n > 0 && (size_t)n < sizeof hdr ? malloc((size_t)n + blen) : NULL;
+    if (c->out == NULL) {
+        free(r->body);
+        conn_close(c);
+        return;
+    }
+    memcpy(c->out, hdr, (size_t)n);
+    if (blen > 0)
+        memcpy(c->out + n, r->body, blen);
+    free(r->body);
+    c->outlen = (size_t)n + blen;
+    c->outoff = 0;
+    c->since = idemp_now_ms();
+}
+
+static void send_text(conn_t *c, int status, const char *text)
+{
+    idemp_http_resp_t r = {status, "text/plain; charset=utf-8", strdup(text), strlen(text), NULL};
+    send_resp(c, &r, false);
+}
+
+bool idemp_http_header(const idemp_http_req_t *req, const char *name, char *buf, size_t sz)
+{
+    size_t nl = strlen(name);
+    const char *line = strchr(req->head, '\n');
+    while (line != NULL && line[1] != '\0') {
+        line++;
+        if (strncasecmp(line, name, nl) == 0 && line[nl] == ':') {
+            const char *v = line + nl + 1, *e = v;
+            while (*v == ' ' || *v == '\t')
+                v++;
+            e = v + strcspn(v, "\r\n");
+            while (e > v && (e[-1] == ' ' || e[-1] == '\t'))
+                e--;
+            if ((size_t)(e - v) >= sz)
+                return false;
+            memcpy(buf, v, (size_t)(e - v));
+            buf[e - v] = '\0';
+            return true;
+        }
+        line = strchr(line, '\n');
+    }
+    return false;
+}
+
+/* The head ends at end (its blank line): once the body Content-Length announces is in too,
+ * call the handler. */
+static void serve_handler(idemp_http_t *h, conn_t *c, char *end)
+{
+    const char *body = end + (end[0] == '\r' ? 4 : 2);
+    size_t headlen = (size_t)(end - c->in);
+    if (headlen >= HTTP_REQ_MAX) {
+        send_text(c, 431, "request header too large\n");
+        return;
+    }
+    char head[HTTP_REQ_MAX], method[8], path[1024], len[24];
+    memcpy(head, c->in, headlen);
+    head[headlen] = '\0';
+    idemp_http_req_t req = {method, path, "", head, body, 0};
+    bool has_len = idemp_http_header(&req, "Content-Length", len, sizeof len);
+    char *rest = NULL;
+    unsigned long long want = has_len ? strtoull(len, &rest, 10) : 0;
+    if (sscanf(head, "%7s %1023s", method, path) != 2 ||
+        (has_len && (*rest != '\0' || !isdigit((unsigned char)len[0])))) {
+        send_text(c, 400, "bad request\n");
+        return;
+    }
+    if (want > IDEMP_HTTP_BODY_MAX) {
+        send_text(c, 413, "request body too large\n");
+        return;
+    }
+    if (c->inlen - (size_t)(body - c->in) < want)
+        return; /* not all there yet: read on */
+    c->in[(body - c->in) + want] = '\0';
+    req.body_len = (size_t)want;
+    char *q = strchr(path, '?');
+    if (q != NULL) {
+        *q = '\0';
+        req.query = q + 1;
+    }
+    idemp_http_resp_t resp = {200, NULL, NULL, 0, NULL};
+    int64_t t0 = idemp_now_ms();
+    h->handler(h->ud, &req, &resp);
+    /* the time this answer took (an action can take seconds) does not count against the
+     * deadlines of the others, which were waiting for us */
+    int64_t took = idemp_now_ms() - t0;
+    for (int i = 0; i < HTTP_CONNS; i++)
+        if (&h->conns[i] != c && h->conns[i].fd >= 0)
+            h->conns[i].since += took;
+    send_resp(c, &resp, strcmp(method, "HEAD") == 0);
+}
+
+int idemp_http_listen(const char *addr, int port, const char *what, idem_error_t *err)
+{
+    if (addr == NULL || *addr == '\0')
+        addr = "127.0.0.1";
+    if (port < 0 || port > 65535) {
+        idem_error_set(err, IDEM_ERR_INVALID, "cannot serve %s on port %d: not a TCP port", what,
+                       port);
+        return -1;
+    }
+    struct addrinfo hints, *ai = NULL;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE | AI_NUMERICHOST | AI_NUMERICSERV;
+    char portstr[8];
+    snprintf(portstr, sizeof portstr, "%d", port);
+    int g = getaddrinfo(addr, portstr, &hints, &ai);
+    if (g != 0) {
+        idem_error_set(err, IDEM_ERR_INVALID,
+                       "cannot serve %s on %s: not a numeric IP address (%s)", what, addr,
+                       gai_strerror(g));
+        return -1;
+    }
+    /* bound here, so that a port in use is reported with the kernel's own reason */
+    int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        freeaddrinfo(ai);
+        idem_error_set(err, IDEM_ERR_IO, "cannot serve %s on port %d at %s: socket: %s", what, port,
+                       addr, strerror(errno));
+        return -1;
+    }
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one); /* restart over TIME_WAIT */
+    if (bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || listen(fd, 512) != 0) {
+        int e = errno;
+        close(fd);
+        freeaddrinfo(ai);
+        idem_error_set(err, IDEM_ERR_IO, "cannot serve %s on port %d at %s: %s", what, port, addr,
+                       strerror(e));
+        return -1;
+    }
+    freeaddrinfo(ai);
+    return fd;
 }

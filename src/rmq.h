@@ -16,6 +16,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <jansson.h>
+
 #include <idem/error.h>
 
 #include "envelope.h"
@@ -139,6 +141,10 @@ void idemp_msg_envelope_in(const idemp_msg_t *m, idemp_envelope_in_t *in);
 const char *idemp_msg_header(const idemp_msg_t *m, const char *name, size_t *len);
 /* The string headers as a JSON object text (new, free()), others left out; NULL on OOM. */
 char *idemp_msg_headers_json(const idemp_msg_t *m);
+/* For an operator to read (rmq_describe.c): {properties, headers (every kind), routing_key,
+ * body_bytes, body (null when not read), body_escaped}; text that is not UTF-8 is escaped.
+ * New reference, NULL on OOM. */
+json_t *idemp_msg_describe(const idemp_msg_t *m);
 
 int idemp_amqp_ack(idemp_amqp_t *a, uint64_t tag, bool multiple, idem_error_t *err);
 

@@ -12,6 +12,7 @@
 #include <idem/uuid.h>
 #include <idem/relay.h>
 #include <idem/ops.h>
+#include <idem/console.h>
 
 #define IDEM_VERSION "0.3.0"
 

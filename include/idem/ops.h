@@ -91,8 +91,8 @@ typedef struct idem_dlq_config {
     const char *amqp_password; /* overrides the URL's when set */
     const char *queue;         /* the consumer's queue; its DLQ is QUEUE.dlq */
     int limit;                 /* list: at most this many (default 100) */
-    const char *event_id;      /* requeue: only this event (NULL = all) */
-    const char *code;          /* requeue: only this dead-letter code (NULL = any) */
+    const char *event_id;      /* show: this event; requeue, discard: only it (NULL = all) */
+    const char *code;          /* requeue, discard: only this dead-letter code (NULL = any) */
     int heartbeat_s;           /* 0 (default) = off */
 } idem_dlq_config_t;
 
@@ -107,6 +107,16 @@ int idem_dlq_list(const idem_dlq_config_t *cfg, json_t **out, idem_error_t *err)
  * each publish is confirmed before its DLQ copy is acked; x-idem-error is removed and
  * x-idem-requeued counts the moves. *moved receives how many moved (also on failure). */
 int idem_dlq_requeue(const idem_dlq_config_t *cfg, int *moved, idem_error_t *err);
+
+/* The first message of QUEUE.dlq whose event id is cfg->event_id (any UUID form), as the object
+ * of idem_dlq_list plus properties, headers (every AMQP kind), routing_key, body_bytes, body and
+ * body_escaped (bytes that are not UTF-8 shown as \xNN); new reference in *out. Nothing is taken
+ * off the queue. IDEM_ERR_NOT_FOUND when it is not there (or there is no such DLQ). */
+int idem_dlq_show(const idem_dlq_config_t *cfg, json_t **out, idem_error_t *err);
+
+/* Removes the selected messages of QUEUE.dlq for good (each acked; what is not selected stays,
+ * in its place). *discarded receives how many were removed (also on failure). */
+int idem_dlq_discard(const idem_dlq_config_t *cfg, int *discarded, idem_error_t *err);
 
 #ifdef __cplusplus
 }

@@ -76,13 +76,16 @@ void cli_global_init(cli_global_t *g)
     g->format = err_format;
 }
 
-int cli_read_password(const char *path, char *buf, size_t sz, char *why, size_t whysz)
+/* Reads a one-line secret (what: "AMQP password", "token") from path into buf: 1 read, 0 no
+ * path, -1 with why set (unreadable, too open, empty or too long). */
+static int read_secret(const char *path, const char *what, char *buf, size_t sz, char *why,
+                       size_t whysz)
 {
     if (path == NULL || path[0] == '\0')
         return 0;
     FILE *f = fopen(path, "r");
     if (f == NULL) {
-        snprintf(why, whysz, "cannot read the AMQP password file %s: %s", path, strerror(errno));
+        snprintf(why, whysz, "cannot read the %s file %s: %s", what, path, strerror(errno));
         return -1;
     }
     /* as libpq for its key files: no access for others, and for the group only when root
@@ -91,9 +94,9 @@ int cli_read_password(const char *path, char *buf, size_t sz, char *why, size_t 
     if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode) ||
         (st.st_mode & (st.st_uid == 0 ? 0037 : 0077)) != 0) {
         snprintf(why, whysz,
-                 "the AMQP password file %s is not a regular file, or group or others may access "
-                 "it (mode %04o; chmod 600 it, or 640 owned by root)",
-                 path, (unsigned)(st.st_mode & 07777));
+                 "the %s file %s is not a regular file, or group or others may access it (mode "
+                 "%04o; chmod 600 it, or 640 owned by root)",
+                 what, path, (unsigned)(st.st_mode & 07777));
         fclose(f);
         return -1;
     }
@@ -102,22 +105,33 @@ int cli_read_password(const char *path, char *buf, size_t sz, char *why, size_t 
     size_t n = ok ? strcspn(buf, "\r\n") : 0;
     if (!ok || n == 0 || n >= sz - 1) {
         memset(buf, 0, sz);
-        snprintf(why, whysz, "the AMQP password file %s is empty or its line is too long", path);
+        snprintf(why, whysz, "the %s file %s is empty or its line is too long", what, path);
         return -1;
     }
     buf[n] = '\0';
     return 1;
 }
 
-const char *cli_amqp_password(const cli_global_t *g, const char *cmd, char *buf, size_t sz,
-                              bool *failed)
+int cli_read_password(const char *path, char *buf, size_t sz, char *why, size_t whysz)
+{
+    return read_secret(path, "AMQP password", buf, sz, why, whysz);
+}
+
+const char *cli_secret_file(const char *path, const char *cmd, const char *what, char *buf,
+                            size_t sz, bool *failed)
 {
     char why[600];
-    int rc = cli_read_password(g->amqp_password_file, buf, sz, why, sizeof why);
+    int rc = read_secret(path, what, buf, sz, why, sizeof why);
     *failed = rc < 0;
     if (rc < 0)
         cli_error(cmd, "%s", why);
     return rc > 0 ? buf : NULL;
+}
+
+const char *cli_amqp_password(const cli_global_t *g, const char *cmd, char *buf, size_t sz,
+                              bool *failed)
+{
+    return cli_secret_file(g->amqp_password_file, cmd, "AMQP password", buf, sz, failed);
 }
 
 int cli_reload_password(void *userdata, char *buf, size_t sz, idem_error_t *err)

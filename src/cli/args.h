@@ -112,6 +112,11 @@ void cli_error(const char *cmd, const char *fmt, ...) __attribute__((format(prin
  * parsed (an unknown command, a bad flag) are JSON too. */
 void cli_prescan_format(int argc, char **argv);
 
+/* The first line of the secret file path (what names it in errors: "AMQP password") into buf;
+ * NULL when path is NULL or "". A file that cannot be read, is empty, or that group or others may
+ * access (group only when root owns it): one line on stderr, *failed set. */
+const char *cli_secret_file(const char *path, const char *cmd, const char *what, char *buf,
+                            size_t sz, bool *failed);
 /* Applies g's log settings. */
 void cli_apply_logging(const cli_global_t *g);
 
@@ -142,5 +147,6 @@ int cmd_failed(int argc, char **argv, cli_global_t *g);
 int cmd_replay(int argc, char **argv, cli_global_t *g);
 int cmd_retain(int argc, char **argv, cli_global_t *g);
 int cmd_dlq(int argc, char **argv, cli_global_t *g);
+int cmd_console(int argc, char **argv, cli_global_t *g);
 
 #endif

@@ -23,7 +23,10 @@ static const command_t commands[] = {
     {"failed", cmd_failed, "list failed (parked) outbox rows"},
     {"replay", cmd_replay, "return failed rows to pending"},
     {"retain", cmd_retain, "delete old sent outbox rows and old ledger rows in batches"},
-    {"dlq", cmd_dlq, "list or requeue a consumer's dead-lettered messages (dlq list|requeue)"},
+    {"console", cmd_console,
+     "the operator console: a web page of the backlog, failed rows and "
+     "dead letters, with actions"},
+    {"dlq", cmd_dlq, "a consumer's dead-lettered messages (dlq list|show|discard|requeue)"},
     {NULL, NULL, NULL},
 };
 
@@ -98,14 +101,17 @@ int main(int argc, char **argv)
         cli_error(NULL, "unknown command '%s' (see 'idem --help')", argv[cmd_at]);
         return CLI_EXIT_USAGE;
     }
-    /* the command sees: its name, then every other argument in order */
+    /* the command sees: its name, its subcommand (`dlq list`) when one follows, then every other
+     * argument in order (global flags may come first: `idem --amqp URL dlq list`) */
     char **args = calloc((size_t)argc + 1, sizeof *args);
     if (args == NULL)
         return CLI_EXIT_FAIL;
-    int n = 0;
+    int n = 0, sub_at = cmd_at + 1 < argc && argv[cmd_at + 1][0] != '-' ? cmd_at + 1 : -1;
     args[n++] = argv[cmd_at];
+    if (sub_at > 0)
+        args[n++] = argv[sub_at];
     for (int i = 1; i < argc; i++)
-        if (i != cmd_at)
+        if (i != cmd_at && i != sub_at)
             args[n++] = argv[i];
     cli_global_t g;
     cli_global_init(&g);
