@@ -12,6 +12,8 @@ scrape, and rises by at least 2 between the first and the last scrape.
 
 import time
 
+import pytest
+
 from conftest import new_id, wait_until
 from ops_helpers import relays, value
 
@@ -24,6 +26,7 @@ TYPE = "payment.failed"
 N = 300_000  # a relay drains 20,000+ rows a second on a quiet machine: busy for 10 s and more
 
 
+@pytest.mark.slow  # drains a backlog: 15-30 s
 def test_gauge_fresh_while_relay_drains_a_backlog(db, servers, queues, broker, relays):
     q = queues.new()
     with broker.channel() as ch:

@@ -14,6 +14,7 @@ import subprocess
 import time
 
 import pika
+import pytest
 
 from conftest import IDEM, new_id, payload, run_idem, wait_until
 from console_helpers import TOKEN, consoles  # noqa: F401
@@ -266,6 +267,7 @@ def test_token_file_and_listen_checked_at_start(db, servers, tmp_path):
     assert r.returncode == 0 and "127.0.0.1:8080" in r.stdout and "--token-file" in r.stdout
 
 
+@pytest.mark.slow  # 25,000 dead letters: 10-25 s
 def test_a_slow_action_does_not_cost_the_others_their_answer(db, servers, broker, queue,
                                                              consoles):
     # enough dead letters that walking them outlasts the server's read deadline (2 s) on a quiet

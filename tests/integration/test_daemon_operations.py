@@ -168,6 +168,7 @@ def rmq_user_connections(servers, user):
             if len(line.split()) == 2 and line.split()[0] == user]
 
 
+@pytest.mark.slow  # a password change and a forced reconnect: 8-20 s
 def test_sighup_rereads_the_password_file(servers, db, queue, consumers, broker, tmp_path):
     """The password changes on RabbitMQ and in the file; after SIGHUP the next connection uses
     the new one (the old connection is closed by the broker to force it)."""

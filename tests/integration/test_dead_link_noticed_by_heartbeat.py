@@ -20,6 +20,9 @@ import pytest
 from conftest import new_id, payload, wait_until
 from consumer_helpers import FreezableProxy, add_failure, log_lines
 
+# heartbeat timers: 6-8 s a case
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def proxy(servers):

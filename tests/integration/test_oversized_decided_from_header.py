@@ -16,6 +16,8 @@ import hashlib
 import json
 import os
 
+import pytest
+
 from conftest import new_id, payload
 from consumer_helpers import vm_hwm_kib
 
@@ -37,6 +39,7 @@ def big_body(i):
     return (b"%d:" % i + chunk * 48)[:BIG]
 
 
+@pytest.mark.slow  # streams large bodies: 9-25 s
 def test_oversized_bodies_streamed_to_the_dlq(db, queue, consumers, broker, dead_letters):
     c = consumers("billing", queue, db, args=["--max-message-bytes", str(LIMIT)])
     subs = [new_id() for _ in range(3)]

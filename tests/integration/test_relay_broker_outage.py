@@ -15,6 +15,7 @@ __all__ = ["relay_daemons"]
 N = 200
 
 
+@pytest.mark.slow  # RabbitMQ stopped and started: 20-40 s
 def test_broker_down_no_attempts_spent_all_sent_after_return(db, servers, queue, broker,
                                                              relay_daemons):
     if not servers.svc_dir:

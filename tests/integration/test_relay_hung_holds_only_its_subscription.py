@@ -14,6 +14,8 @@ due rows only: all of them H's, whose lock the frozen relay held, so nothing els
 import signal
 import time
 
+import pytest
+
 from conftest import new_id, payload, wait_until
 from relay_helpers import declare_consumer_queue, emit_many, read_queue, relay_daemons, status_counts
 
@@ -132,6 +134,7 @@ def check_others(msgs, others):
         assert [m.n for m in got.get(s, [])] == list(range(1, PER_OTHER + 1)), s
 
 
+@pytest.mark.slow  # a 5,000-row subscription behind a frozen relay: 10-60 s
 def test_frozen_relay_holds_only_its_subscription_then_resumes_in_order(db, servers, queue,
                                                                         broker, relay_daemons):
     hung, others, relay1, relay2, _ = run_freeze(db, queue, broker, relay_daemons)
@@ -151,6 +154,7 @@ def test_frozen_relay_holds_only_its_subscription_then_resumes_in_order(db, serv
     assert all(a < b for a, b in zip(seqs, seqs[1:])), "x-idem-seq of H not strictly increasing"
 
 
+@pytest.mark.slow  # a 5,000-row subscription behind a frozen relay: 10-60 s
 def test_frozen_relay_killed_its_subscription_goes_on_in_order(db, servers, queue, broker,
                                                                relay_daemons):
     hung, others, relay1, relay2, at_freeze = run_freeze(db, queue, broker, relay_daemons)

@@ -38,6 +38,7 @@ def proxy(servers):
     p.close()
 
 
+@pytest.mark.slow  # a link frozen past the heartbeats, then reset: 15-30 s
 def test_frozen_and_reset_link_keeps_subscription_order(db, servers, broker, queue, consumers,
                                                         relay_daemons, proxy):
     install_effect_log(db)

@@ -23,6 +23,9 @@ from conftest import IDEM, finish_daemons, wait_until
 from idem_harness import Daemon, run_idem
 from tls_helpers import connect_lines, one_error_line
 
+# a PostgreSQL of its own with TLS and client certificates
+pytestmark = pytest.mark.cluster
+
 
 @pytest.fixture
 def tls(tls_servers, tls_db):
