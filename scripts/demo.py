@@ -372,16 +372,21 @@ end every effect is checked against the business plan.
         # The consumers declare the exchange, the queue (dead-lettering through QUEUE.dlx to
         # QUEUE.dlq) and its bindings: wait until both consume before anything is published,
         # or the first messages would be unroutable.
+        # The queue has a single active consumer: the broker counts the active one only, and the
+        # other process stands by (it takes over when the active one dies).
+        daemons = [s.daemon for s in consumers]
         try:
-            H.wait_for_consumers(self.broker, [QUEUE], 2, [s.daemon for s in consumers], 15)
-            H.wait_for_consumers(self.broker, [DLQ], 0, [s.daemon for s in consumers], 5)
+            H.wait_for_consumers(self.broker, [QUEUE], 1, daemons, 15)
+            H.wait_for_consumers(self.broker, [DLQ], 0, daemons, 5)
+            H.wait_until(lambda: all("consuming" in d.log() for d in daemons), 15, 0.1,
+                         "both consumer processes subscribed", daemons)
         except AssertionError as e:
             self.die(f"the consumers did not start consuming: {str(e).splitlines()[0]} "
                      f"(see {self.logs}/consumer*.log)")
         self.slots["relay1"].start()
         self.slots["relay2"].start()
         o.say(f"      consumers: idem consume --consumer {CONSUMER} --queue {QUEUE}  "
-              "(competing on one queue)")
+              "(one queue: one active, the other standing by)")
         o.say("      relays:    idem relay  (two at once; they share the outbox safely)")
 
     # ------------------------------------------------------------------ the workload
