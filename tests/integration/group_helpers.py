@@ -283,9 +283,11 @@ class Emitter(threading.Thread):
     acked: ids whose transaction got a COMMIT acknowledgement; in_doubt: ids whose COMMIT was
     sent but not acknowledged at least once; failures: errors seen."""
 
-    def __init__(self, url, events, rate=200.0, per_tx=5, retry=False, connect_timeout=3):
+    def __init__(self, url, events, rate=200.0, per_tx=5, retry=False, connect_timeout=3,
+                 fn="idem.idem_emit"):
         super().__init__(daemon=True)
         self.url, self.events, self.rate, self.per_tx = url, events, rate, per_tx
+        self.fn = fn  # the function called (schema-qualified, or found on the URL's search_path)
         self.retry, self.connect_timeout = retry, connect_timeout
         self.acked, self.in_doubt, self.failures = [], set(), []
         self.error = None
@@ -316,7 +318,7 @@ class Emitter(threading.Thread):
                         conn = self._connect()
                     with conn.cursor() as cur:
                         for e in ordered:
-                            cur.execute("SELECT idem.idem_emit(%s, %s::uuid, %s, %s::jsonb)::text",
+                            cur.execute(f"SELECT {self.fn}(%s, %s::uuid, %s, %s::jsonb)::text",
                                         (e.type, e.sub, e.key, json.dumps(e.body)))
                             got = cur.fetchone()[0]
                             assert got == e.id, f"idem_emit returned {got} for {e.key}"
@@ -381,14 +383,16 @@ CREATE TRIGGER it_log_revenue AFTER INSERT ON billing.revenue_entries
 """
 
 
-def install_effect_log(conn_or_db):
+def install_effect_log(conn_or_db, schema="billing"):
     """Adds it_effects and the triggers that fill it (test-only objects, in the test's database):
-    every dunning change (with the event that made it) and revenue entry, in the order made."""
+    every dunning change (with the event that made it) and revenue entry, in the order made.
+    schema: where the handlers' tables are (public in a database of an older idem)."""
+    sql = EFFECT_LOG_SQL.replace(" ON billing.", f" ON {schema}.")
     if hasattr(conn_or_db, "execute"):
-        conn_or_db.execute(EFFECT_LOG_SQL)
+        conn_or_db.execute(sql)
     else:
         with conn_or_db.cursor() as cur:
-            cur.execute(EFFECT_LOG_SQL)
+            cur.execute(sql)
 
 
 def audit(query, plan, consumer="billing", only=None):

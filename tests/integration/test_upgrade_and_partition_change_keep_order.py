@@ -22,10 +22,11 @@ would apply later events before the old queues' earlier ones."""
 
 import os
 import subprocess
+import uuid
 
 import pytest
 
-from conftest import IDEM, REPO, wait_until
+from conftest import IDEM, REPO, Db, admin_exec, finish_daemons, wait_until
 from group_helpers import (Emitter, audit, group_consumers, group_queue, install_effect_log,
                            partitions, plan_billing)
 from relay_helpers import RelayDaemon, relay_daemons
@@ -116,49 +117,76 @@ def old_relay(db, servers, tmp_path, binary):
     return r.start(wait_ready=True)
 
 
-@pytest.mark.parametrize("p_old", [1, 2])
-def test_upgrade_from_an_older_idem_keeps_order(db, servers, broker, group_queue,
-                                                group_consumers, relay_daemons, old_idem,
-                                                tmp_path, p_old):
-    tree, binary = old_idem
-    q = group_queue(f"upgrade{p_old}")
-    install_effect_log(db)
-    if p_old > 1:  # the older idem's partitioned claim needs the tables sql/009 dropped
-        with open(os.path.join(tree, "sql", "006_partition_routes.sql")) as f:
-            db.execute(f.read())
-    plan, order = plan_billing(SUBS, PER_SUB, seed=40 + p_old)
-    args = ["--partitions", str(p_old)] if p_old > 1 else []
-    # the older idem's plain queue keeps order with one process only; its partitions had single
-    # active consumers
-    old = [group_consumers("billing", q, db, args, label=f"old{i}", start=False)
-           for i in range(1 if p_old == 1 else 2)]
-    for c in old:
-        c.argv[0] = binary
-        c.start()
-    old_queues = partitions(q, p_old) if p_old > 1 else [q]
-    relay = old_relay(db, servers, tmp_path, binary)
-    emitter = Emitter(db.url, order, rate=RATE, per_tx=5)
-    emitter.start()
-    wait_until(lambda: db.count("idem.consumed_events") >= 200, 30, 0.1, "the old group applying")
+def older_database(servers, tree, binary):
+    """A new database migrated by the older idem itself (its objects in public, as it made
+    them)."""
+    name = "old_" + uuid.uuid4().hex[:16]
+    admin_exec(servers, f'CREATE DATABASE "{name}"')
+    odb = Db(servers.db_url(name))
+    r = subprocess.run([binary, "migrate"], env=dict(os.environ, IDEM_PG_URL=odb.url,
+                                                     IDEM_SQL_DIR=os.path.join(tree, "sql")),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return name, odb
 
-    procedure(db, servers, relay, old, old_queues)
-    # the older topology is refused while it is in place
-    line = exits_refused(db, servers, q, *args)
-    assert (q + ".hash" if p_old > 1 else q) in line, line
-    delete_queues(servers, old_queues)
-    r = subprocess.run([IDEM, "migrate", "--billing"], env=dict(os.environ, IDEM_PG_URL=db.url),
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    backlog = db.count("idem.event_outbox", "status <> 'sent'")
-    new = [group_consumers("billing", q, db, args, label=f"new{i}") for i in range(2)]
-    relay_daemons(["--poll-interval", "50ms"], wait_ready=True)
-    summary = finish(db, broker, plan, order, emitter, old_queues)
-    xs = servers.rmqctl("-q", "list_exchanges", "name")
-    assert q + ".hash" not in xs.split(), "the older idem's hash exchange is left"
-    for c in new:
-        assert c.running(), c.log()[-3000:]
-    print(f"\nupgrade of P={p_old} with {backlog} events waiting in the outbox: "
-          f"{summary['events']} events applied once in order")
+
+def with_search_path(url, path):
+    """url (a libpq URI) whose sessions have search_path = path."""
+    return url + ("&" if "?" in url else "?") + "options=-csearch_path%3D" + path.replace(",", "%2C")
+
+
+@pytest.mark.parametrize("p_old", [1, 2])
+def test_upgrade_from_an_older_idem_keeps_order(servers, broker, group_queue, group_consumers,
+                                                old_idem, tmp_path, request, p_old):
+    tree, binary = old_idem
+    name, db = older_database(servers, tree, binary)
+    made = []
+    try:
+        q = group_queue(f"upgrade{p_old}")
+        install_effect_log(db, schema="public")
+        plan, order = plan_billing(SUBS, PER_SUB, seed=40 + p_old)
+        args = ["--partitions", str(p_old)] if p_old > 1 else []
+        # the older idem's plain queue keeps order with one process only; its partitions had
+        # single active consumers
+        old = [group_consumers("billing", q, db, args, label=f"old{i}", start=False)
+               for i in range(1 if p_old == 1 else 2)]
+        for c in old:
+            c.argv[0] = binary
+            c.start()
+        old_queues = partitions(q, p_old) if p_old > 1 else [q]
+        relay = old_relay(db, servers, tmp_path, binary)
+        made.append(relay)
+        # the application calls idem_emit through its search_path: public's before the move,
+        # idem's after it; a transaction that fails while migrate moves the objects is retried,
+        # as an application retries any failed transaction
+        emitter = Emitter(with_search_path(db.url, "idem,public"), order, rate=RATE, per_tx=5,
+                          fn="idem_emit", retry=True)
+        emitter.start()
+        wait_until(lambda: db.count("public.consumed_events") >= 200, 60, 0.1,
+                   "the old group applying")
+
+        procedure(db, servers, relay, old, old_queues)
+        r = subprocess.run([IDEM, "migrate", "--billing"], env=dict(os.environ, IDEM_PG_URL=db.url),
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        # the older topology is refused while it is in place
+        line = exits_refused(db, servers, q, *args)
+        assert (q + ".hash" if p_old > 1 else q) in line, line
+        delete_queues(servers, old_queues)
+        backlog = db.count("idem.event_outbox", "status <> 'sent'")
+        new = [group_consumers("billing", q, db, args, label=f"new{i}") for i in range(2)]
+        made.append(RelayDaemon(db, servers, str(tmp_path), ["--poll-interval", "50ms"],
+                                name="new-relay").start(wait_ready=True))
+        summary = finish(db, broker, plan, order, emitter, old_queues)
+        xs = servers.rmqctl("-q", "list_exchanges", "name")
+        assert q + ".hash" not in xs.split(), "the older idem's hash exchange is left"
+        for c in new:
+            assert c.running(), c.log()[-3000:]
+        print(f"\nupgrade of P={p_old} with {backlog} events waiting in the outbox: "
+              f"{summary['events']} events applied once in order")
+    finally:
+        finish_daemons(made, request)
+        admin_exec(servers, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.mark.parametrize("p_old, p_new", [(1, 3), (3, 2)])
