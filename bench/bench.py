@@ -724,7 +724,7 @@ def phase_steady():
             t_end = time.monotonic()
             drained = True
             try:
-                H.wait_until(lambda: run_consumed(run)[0] == run_consumed(run)[1], 10, 0.2,
+                H.wait_until(lambda: (lambda t: t[0] == t[1])(run_consumed(run)), 10, 0.2,
                              "drained", procs)
             except AssertionError:
                 drained = False

@@ -381,14 +381,14 @@ static void answered(idem_relay_t *r, slot_t *sl, int rc, idemp_rows_t **rows, i
         /* step 1 found less than a batch: nothing more is due but what our own batches hold,
          * unless something woke us since this claim started */
         if (sl->phase == SLOT_LOCKING) {
-            if (idemp_rows_count(rows[0]) > 0)
+            int found = idemp_rows_count(rows[0]);
+            if (found > 0)
                 idemp_relay_busy(r);
             else
                 idemp_relay_found_none(r);
+            if (found < r->cfg.batch && r->wakes == sl->wakes)
+                r->want_claim = false;
         }
-        if (sl->phase == SLOT_LOCKING && idemp_rows_count(rows[0]) < r->cfg.batch &&
-            r->wakes == sl->wakes)
-            r->want_claim = false;
         size_t claimed = 0;
         rc = idemp_relay_claim_step(r, sl, rows, &claimed, e);
     }

@@ -37,12 +37,9 @@ static bool say(idem_relay_t *r, const char *sql)
     idem_error_t e = {0};
     if (idemp_pg_exec(r->ctl, sql, 0, NULL, NULL, &e) == IDEM_OK)
         return true;
-    /* an older schema without the table: emitters notify every time, as they did */
-    if (e.sqlstate[0] != '\0' && strncmp(e.sqlstate, "42", 2) == 0) {
-        r->idle_broken = true;
-        idem_log(IDEM_LOG_DEBUG, LOGC, NULL, "idle row not written: %s", e.text);
-        return false;
-    }
+    /* an older schema without the table (class 42): emitters notify every time, as they did;
+     * anything else is tried again at the next change */
+    r->idle_broken = strncmp(e.sqlstate, "42", 2) == 0;
     const char *kv[] = {"server", "postgres", NULL};
     idem_log(IDEM_LOG_DEBUG, LOGC, kv, "idle row not written: %s", e.text);
     return false;
