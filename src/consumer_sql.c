@@ -10,6 +10,9 @@
 #include "event.h"
 
 #define SQL_FUNCTION_EXISTS "SELECT pg_catalog.to_regprocedure($1) IS NOT NULL"
+/* The consumer's name belongs to one role (sql/017_narrow_rights.sql): bound to this login role
+ * unless it is bound already; a role that is not a member of the name's role is refused. */
+#define SQL_CONSUMER_BIND "SELECT idem.idem_consumer_bind($1)"
 #define SQL_FUNCTION_USABLE                                                                        \
     "SELECT coalesce(pg_catalog.has_function_privilege(pg_catalog.to_regprocedure($1), "           \
     "'EXECUTE'), false)"
@@ -112,6 +115,17 @@ int idemp_consumer_check_sql(idem_consumer_t *c, idem_error_t *err)
                            "function idem.idem_claim_check is missing or not executable (run "
                            "idem migrate, grant idem_consumer): every batch reads its claim "
                            "before its handlers run, one round trip more");
+    /* the ledger takes this role's rows only under the names bound to it */
+    const char *bp[] = {c->consumer};
+    idem_error_t be = {0};
+    rc = idemp_pg_exec(c->pg, SQL_CONSUMER_BIND, 1, bp, NULL, &be);
+    if (rc == IDEM_ERR_PG_QUERY)
+        return idem_error_set(err, IDEM_ERR_NOT_FOUND, "consumer %s: %s", c->consumer, be.text);
+    if (rc != IDEM_OK) {
+        if (err != NULL && err->code == 0)
+            *err = be;
+        return rc;
+    }
     for (size_t i = 0; i < idemp_registry_count(c->reg); i++) {
         const idemp_handler_entry_t *e =
             idemp_registry_find(c->reg, idemp_registry_type(c->reg, i));

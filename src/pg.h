@@ -135,7 +135,7 @@ int idemp_pgconn_script(PGconn *conn, const char *sql, const char *what, idem_er
 
 /* The latest of idem's migrations (sql/) this binary needs; a migration that changes what the
  * code relies on updates it. */
-#define IDEMP_SCHEMA_NEEDS "015_ledger_digest.sql"
+#define IDEMP_SCHEMA_NEEDS "017_narrow_rights.sql"
 /* The database has IDEMP_SCHEMA_NEEDS and each of extra (NULL-terminated, may be NULL: e.g.
  * "billing/001_billing.sql") applied. IDEM_ERR_NOT_FOUND: one line naming `idem migrate` (with
  * --billing for the billing ones); IDEM_ERR_REFUSED: the role may not read the record. */
@@ -144,6 +144,9 @@ int idemp_pg_schema_check(PGconn *conn, const char *const *extra, idem_error_t *
 /* "host:port" of a libpq conninfo or URI for messages, libpq's defaults filled in; a multi-host
  * conninfo gives "h1:p1,h2:p2". */
 void idemp_pg_where(const char *conninfo, char *out, size_t outsz);
+/* A PostgreSQL URI with an '@' after its host (before any '?'): a password holding "://" or '@'
+ * and '/' written unencoded, which libpq would read partly as host, port or database. Refused. */
+bool idemp_pg_uri_at_after_host(const char *conninfo);
 
 /* Array literals for uuid[]/text[]/bigint[] parameters, built by appending elements. */
 typedef struct idemp_pgarray {

@@ -1,8 +1,8 @@
 /* replay.c - returns failed outbox rows to pending, all or nothing, in one transaction.
  *
- * The UPDATE runs first and reports each row's age; if any row is older than the dedup window
- * the transaction is rolled back, so a refusal changes nothing and no row can slip between a
- * check and the update. */
+ * idem_replay locks the failed rows, checks their age and updates them in one statement; if any
+ * row is older than the dedup window it changes nothing and the transaction is rolled back, so no
+ * row can slip between a check and the update. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,20 +12,14 @@
 
 #include "pg.h"
 
-/* $1 = dedup window in ms; $2 = event id (the single-row form). last_error is kept. A row is
- * too old by the consumers' own stale rule (idem_stale_before, sql/008_claim_guard.sql) applied
- * to the timestamp the relay will give it (created_at in whole seconds, rounded down). */
-#define REPLAY_SET                                                                                 \
-    "UPDATE idem.event_outbox SET status = 'pending', attempts = 0, next_attempt_at = now() "
-#define REPLAY_RET                                                                                 \
-    " RETURNING floor(extract(epoch FROM created_at))::bigint < "                                  \
-    "idem.idem_stale_before($1::bigint), "                                                         \
-    "to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')"
-#define REPLAY_ONE REPLAY_SET "WHERE status = 'failed' AND event_id = $2::uuid" REPLAY_RET
-#define REPLAY_ALL REPLAY_SET "WHERE status = 'failed'" REPLAY_RET
+/* $1 = dedup window in ms; $2 = event id (the single-row form). idem_replay
+ * (sql/017_narrow_rights.sql) changes the rows, as their owner: only failed rows, and none if one
+ * of them is too old by the consumers' own stale rule (idem_stale_before,
+ * sql/008_claim_guard.sql) applied to the timestamp the relay will give it (created_at in whole
+ * seconds, rounded down). It wakes the relays at COMMIT. */
+#define REPLAY_ONE "SELECT stale, created FROM idem.idem_replay($2::uuid, $1::bigint)"
+#define REPLAY_ALL "SELECT stale, created FROM idem.idem_replay(NULL, $1::bigint)"
 #define REPLAY_STATUS_OF "SELECT status FROM idem.event_outbox WHERE event_id = $1::uuid"
-/* Wakes relays listening on the channel idem_emit notifies; delivered at COMMIT. */
-#define REPLAY_NOTIFY "SELECT pg_notify('idem_outbox', '')"
 
 #define DAY_MS (24LL * 3600 * 1000)
 
@@ -113,8 +107,6 @@ static int replay(PGconn *conn, const char *event_id, int64_t dedup_window_ms, i
                                 too_old, n, w, oldest);
     }
     idemp_rows_free(r);
-    if (rc == IDEM_OK && n > 0)
-        rc = idemp_pgconn_exec(conn, REPLAY_NOTIFY, 0, NULL, NULL, err);
     if (rc == IDEM_OK)
         rc = idemp_pgconn_exec(conn, "COMMIT", 0, NULL, NULL, err);
     else if (idemp_pgconn_ok(conn))

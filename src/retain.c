@@ -36,21 +36,12 @@
     "(now() - ($2::bigint + " LEDGER_SKEW_MS ") * interval '1 millisecond')::text, "               \
     "(now() - $3::bigint * interval '1 millisecond')::text"
 
-#define RETAIN_OUTBOX                                                                              \
-    "DELETE FROM idem.event_outbox WHERE status = 'sent' AND outbox_id IN ("                       \
-    "SELECT outbox_id FROM idem.event_outbox WHERE status = 'sent' AND sent_at < $1::timestamptz " \
-    "ORDER BY sent_at LIMIT $2::int FOR UPDATE SKIP LOCKED)"
-
-/* ctid: a TID scan over exactly the rows the subquery locked, no second index lookup. */
-#define RETAIN_LEDGER                                                                              \
-    "DELETE FROM idem.consumed_events WHERE ctid = ANY(ARRAY("                                     \
-    "SELECT ctid FROM idem.consumed_events WHERE consumed_at < $1::timestamptz "                   \
-    "ORDER BY consumed_at LIMIT $2::int FOR UPDATE SKIP LOCKED))"
-
-#define RETAIN_KEYS                                                                                \
-    "DELETE FROM idem.idem_emitted_keys WHERE event_id IN ("                                       \
-    "SELECT event_id FROM idem.idem_emitted_keys WHERE first_emitted_at < $1::timestamptz "        \
-    "ORDER BY first_emitted_at LIMIT $2::int FOR UPDATE SKIP LOCKED)"
+/* One bounded batch each, deleted by idem's owner through functions that keep to the rules
+ * (sql/017_narrow_rights.sql): only sent outbox rows, ledger rows at least a day old; each returns
+ * how many rows it deleted. */
+#define RETAIN_OUTBOX "SELECT idem.idem_retain_outbox($1::timestamptz, $2::int)"
+#define RETAIN_LEDGER "SELECT idem.idem_retain_ledger($1::timestamptz, $2::int)"
+#define RETAIN_KEYS "SELECT idem.idem_retain_keys($1::timestamptz, $2::int)"
 
 void idem_retain_config_init(idem_retain_config_t *cfg)
 {
@@ -111,7 +102,7 @@ int idem_retain_check(const idem_retain_config_t *cfg, idem_error_t *err)
     return IDEM_OK;
 }
 
-/* Runs one DELETE statement repeatedly until it removes fewer than batch rows. */
+/* Runs one batch's function repeatedly until it removes fewer than batch rows. */
 static int delete_loop(PGconn *conn, const char *sql, const char *cutoff, int batch,
                        volatile sig_atomic_t *stop, int64_t *deleted, int64_t *batches,
                        idem_error_t *err)
@@ -126,7 +117,7 @@ static int delete_loop(PGconn *conn, const char *sql, const char *cutoff, int ba
         int rc = idemp_pgconn_exec(conn, sql, 2, params, &res, err);
         if (rc != IDEM_OK)
             return rc;
-        int64_t n = idemp_rows_affected(res);
+        int64_t n = idemp_rows_count(res) == 1 ? strtoll(idemp_rows_get(res, 0, 0), NULL, 10) : 0;
         idemp_rows_free(res);
         if (n > 0) {
             *deleted += n;

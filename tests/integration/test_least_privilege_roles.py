@@ -145,3 +145,69 @@ def test_operator_runs_operations_and_nothing_more(db, role, servers):
     denied(op, "UPDATE idem.event_outbox SET payload = '{}'")
     denied(op, "INSERT INTO billing.dunning (subscription_id, step) VALUES (gen_random_uuid(), 1)")
     denied(op, EMIT, "payment.failed", body["subscription_id"], "o-2", json.dumps(body))
+
+
+def test_consumer_writes_only_its_own_ledger_rows(db, role, queues, consumers, servers, broker):
+    """A consumer name belongs to the role that first ran it (or the one idem's owner bound it
+    to): another consumer role can neither write ledger rows under it, nor under any name it has
+    not bound, nor start a consumer of that name. Without this, any consumer (or a handler running
+    in its transaction) could pre-claim the event ids of another consumer, which would then drop
+    the real events as duplicates."""
+    first, second = role("idem_consumer"), role("idem_consumer")
+    q = queues.new()
+    c = consumers("billing", q, db, env={"IDEM_PG_URL": first})
+    e1 = broker.publish_event("payment.failed", payload())
+    c.wait_metric("idem_consumer_applied_total", 1)
+    assert c.stop() == 0
+    assert db.scalar("SELECT role::text FROM idem.idem_consumer_roles WHERE consumer = 'billing'") \
+        == urllib.parse.urlsplit(first).username
+    forged = "INSERT INTO idem.consumed_events (consumer, event_id) VALUES (%s, %s::uuid)"
+    denied(second, forged, "billing", new_id())
+    denied(second, forged, "never-bound", new_id())
+    denied(first, forged, "never-bound", new_id())
+    # its own name: allowed (the claim does exactly this)
+    own = new_id()
+    allowed(first, forged, "billing", own)
+    assert db.ledger("billing") == sorted([("billing", e1), ("billing", own)])
+    # the second role cannot take the name over by starting a consumer of that name
+    r = run_idem("consume", "--consumer", "billing", "--queue", q, pg_url=second,
+                 amqp_url=servers.amqp_url, timeout=30)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    lines = [line for line in r.stderr.splitlines() if "belongs to role" in line]
+    assert len(lines) == 1 and urllib.parse.urlsplit(first).username in lines[0], r.stderr
+    # once idem's owner binds the name to a group role, any member of it writes its rows
+    db.execute("UPDATE idem.idem_consumer_roles SET role = 'idem_consumer' "
+               "WHERE consumer = 'billing'")
+    allowed(second, forged, "billing", new_id())
+
+
+def test_operator_cannot_mark_pending_rows_sent_or_delete_them(db, role):
+    """idem_operator changes rows only through idem's functions, which keep to the rules: it
+    cannot mark a pending row sent (the event would never be published), delete a pending or
+    failed row, rewrite the ledger, or replay a row older than the dedup window."""
+    op = role("idem_operator")
+    body = payload()
+    pending = db.scalar(EMIT, "payment.failed", body["subscription_id"], "p-1", json.dumps(body))
+    failed = db.scalar(EMIT, "payment.failed", body["subscription_id"], "p-2", json.dumps(body))
+    db.execute("UPDATE idem.event_outbox SET status = 'failed', attempts = 8, "
+               "created_at = now() - interval '40 days' WHERE event_id = %s", failed)
+    db.execute("INSERT INTO idem.consumed_events (consumer, event_id, consumed_at) "
+               "VALUES ('billing', gen_random_uuid(), now() - interval '1 hour')")
+    denied(op, "UPDATE idem.event_outbox SET status = 'sent', sent_at = now() "
+               "WHERE status = 'pending'")
+    denied(op, "UPDATE idem.event_outbox SET status = 'pending' WHERE status = 'failed'")
+    denied(op, "DELETE FROM idem.event_outbox WHERE status = 'pending'")
+    denied(op, "DELETE FROM idem.event_outbox WHERE status = 'failed'")
+    denied(op, "DELETE FROM idem.consumed_events")
+    denied(op, "UPDATE idem.consumed_events SET consumed_at = now() - interval '1 year'")
+    denied(op, "DELETE FROM idem.idem_emitted_keys")
+    # the functions themselves refuse what the rules refuse, whatever the cutoff
+    assert allowed(op, "SELECT idem.idem_retain_outbox(now() + interval '1 year', 1000)") == [(0,)]
+    assert allowed(op, "SELECT idem.idem_retain_ledger(now() + interval '1 year', 1000)") == [(0,)]
+    rows = allowed(op, "SELECT stale, replayed FROM idem.idem_replay(NULL, 2592000000)")
+    assert rows == [(True, False)], rows  # stale for 30d: refused, nothing changed
+    assert allowed(op, "SELECT count(*) FROM idem.idem_replay(%s::uuid, 2592000000)", pending) \
+        == [(0,)]
+    assert db.query("SELECT event_id::text, status FROM idem.event_outbox ORDER BY 1") == sorted(
+        [(pending, "pending"), (failed, "failed")])
+    assert db.count("idem.consumed_events") == 1
