@@ -305,6 +305,48 @@ def test_invalid_url_error_hides_the_password(url, db, rmq_secret_user):
     assert_hidden(r.stdout + r.stderr, url)
 
 
+# An unencoded password holding "://" (it looks like the start of another URL), with '@', ',',
+# quotes or a blank beside it: twelve forms, AMQP URLs and PostgreSQL URIs and conninfo. None
+# parses as the user meant it; no word of the password may show in the error, text or JSON.
+SCHEME_IN_PASSWORD = {
+    "amqp": "amqp://u:alpha1://bravo2@{amqp}",
+    "amqps": "amqps://u:alpha1://bravo2@{amqp}",
+    "amqp-at": "amqp://u:alpha1@bravo2://charlie3@{amqp}",
+    "amqp-list": "amqp://u:x@{amqp},amqp://u:alpha1://bravo2@{amqp}",
+    "amqp-comma": "amqp://u:alpha1://bravo2,charlie3@{amqp}",
+    "amqp-quotes-blank": "amqp://u:alpha1'bravo2\"://charlie3 delta4@{amqp}",
+    "pg-uri": "postgresql://u:alpha1://bravo2@{pg}/{dbname}",
+    "pg-uri-at": "postgres://u:alpha1@bravo2://charlie3@{pg}/{dbname}",
+    "pg-uri-comma": "postgresql://u:alpha1://bravo2,charlie3@{pg}/{dbname}",
+    "pg-uri-quotes": "postgresql://u:alpha1'bravo2\"://charlie3@{pg}/{dbname}",
+    "pg-uri-query": "postgresql://u@{pg}/{dbname}?password=alpha1://bravo2@charlie3",
+    "pg-conninfo": "host={host} port={port} dbname={dbname} user=u "
+                   "password='alpha1://bravo2@charlie3, delta4'",
+}
+
+
+@pytest.mark.parametrize("form", sorted(SCHEME_IN_PASSWORD))
+def test_scheme_in_an_unencoded_password_never_shown(form, db, servers):
+    pg, amqp = urllib.parse.urlsplit(db.url), urllib.parse.urlsplit(servers.amqp_url)
+    text = SCHEME_IN_PASSWORD[form].format(
+        amqp=f"{amqp.hostname}:{amqp.port}", pg=f"{pg.hostname}:{pg.port}", host=pg.hostname,
+        port=pg.port, dbname=pg.path.lstrip("/"))
+    for fmt in ("text", "json"):
+        if form.startswith("amqp"):
+            r = run_idem("relay", "--once", "--log-format", fmt, pg_url=db.url, amqp_url=text)
+            assert r.returncode == 2, (r.returncode, r.stderr)
+            want = "invalid AMQP URL"
+        else:
+            r = run_idem("failed", "--log-format", fmt, pg_url=text)
+            assert r.returncode == 1, (r.returncode, r.stderr)
+            want = "PostgreSQL"
+        lines = stderr_lines(r)
+        assert len(lines) == 1 and want in lines[0], r.stderr
+        if fmt == "json" and form.startswith("amqp"):  # a daemon's fatal line
+            json.loads(lines[0])
+        assert_hidden(r.stdout + r.stderr, f"{form}, {fmt}: {text}")
+
+
 def test_comma_in_a_url_password_never_shown(db, rmq_secret_user):
     """--amqp is split on commas before each URL is parsed: a password with an unencoded ','
     must not be half printed in the "invalid AMQP URL" error."""
@@ -356,7 +398,8 @@ def test_password_libpq_misreads_never_shown(db):
         r = run_idem("failed", pg_url=pg)
         assert r.returncode == 1, (pg, r.stdout, r.stderr)
         line = one_line(r, "failed")
-        assert "cannot connect to PostgreSQL at " in line, line
+        # an '@' after the host ('/' in the password) is refused before libpq reads the URI
+        assert "cannot connect to PostgreSQL at " in line or "invalid PostgreSQL URI" in line, line
         assert_hidden(line, pg)
 
 

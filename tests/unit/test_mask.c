@@ -326,6 +326,22 @@ static void test_where_unencoded_password(void **state)
     expect_where("postgresql://u:50%off@db:5433/x", "db:5433");
     expect_where("postgres://u:pa%zz@db/x?sslmode=require", "db:5432");
     expect_where("postgresql://h1:5432,h2:5433/db", "h1:5432,h2:5433");
+    /* "://" in the password: libpq would take its second half for the host */
+    expect_where("postgresql://u:pa@ss://word@127.0.0.1:1/x", "127.0.0.1:1");
+    expect_where("postgresql://u:pa://ss@127.0.0.1:1/x", "127.0.0.1:1");
+}
+
+static void test_uri_at_after_host(void **state)
+{
+    (void)state;
+    assert_true(idemp_pg_uri_at_after_host("postgresql://u:pa://ss@h:1/x"));
+    assert_true(idemp_pg_uri_at_after_host("postgres://u:pa@ss://word@h/x"));
+    assert_true(idemp_pg_uri_at_after_host("postgresql://u:pa/ss@h/x?sslmode=require"));
+    assert_false(idemp_pg_uri_at_after_host("postgresql://u:p@ss@h:1/x"));
+    assert_false(idemp_pg_uri_at_after_host("postgresql://u@h/x?password=a://b@c"));
+    assert_false(idemp_pg_uri_at_after_host("postgresql://u:p@h/db"));
+    assert_false(idemp_pg_uri_at_after_host("host=h password=a://b@c"));
+    assert_false(idemp_pg_uri_at_after_host(""));
 }
 
 static void test_where_env(void **state)
@@ -1050,6 +1066,7 @@ int main(void)
         cmocka_unit_test_setup(test_where_keyvalue, clear_pgenv),
         cmocka_unit_test_setup(test_where_env, clear_pgenv),
         cmocka_unit_test_setup(test_where_unencoded_password, clear_pgenv),
+        cmocka_unit_test(test_uri_at_after_host),
         cmocka_unit_test_setup(test_where_truncates, clear_pgenv),
         cmocka_unit_test(test_url_defaults),
         cmocka_unit_test(test_url_full),
