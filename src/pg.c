@@ -1,5 +1,6 @@
 /* pg.c - the PostgreSQL adapter. */
 #include <stdint.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -222,11 +223,33 @@ static PGconn *open_conn(const char *conninfo, const char *where, idem_error_t *
     return conn;
 }
 
+/* sslmode=prefer (libpq's default) falls back to plain TCP without a word: a link without TLS to
+ * a host that is not loopback is logged as a warning. */
+static bool plain_remote(PGconn *conn)
+{
+    return !PQsslInUse(conn) && !idemp_host_loopback(PQhost(conn));
+}
+
+static void warn_plain(PGconn *conn, const char *component)
+{
+    char at[300];
+    snprintf(at, sizeof at, "%s:%s", PQhost(conn), PQport(conn));
+    const char *kv[] = {"server", at, "tls", "off", NULL};
+    idem_log(IDEM_LOG_WARN, component, kv,
+             "connected to PostgreSQL without TLS (tls=off) on a host that is not loopback: the "
+             "password and every statement cross the network in clear (use sslmode=verify-full)");
+}
+
 PGconn *idemp_pg_connect_once(const char *conninfo, idem_error_t *err)
 {
+    /* once per process: the console connects for each request */
+    static atomic_bool warned;
     char where[256];
     idemp_pg_where(conninfo ? conninfo : "", where, sizeof where);
-    return open_conn(conninfo ? conninfo : "", where, err);
+    PGconn *conn = open_conn(conninfo ? conninfo : "", where, err);
+    if (conn != NULL && plain_remote(conn) && !atomic_exchange(&warned, true))
+        warn_plain(conn, "postgres");
+    return conn;
 }
 
 void idemp_pgconn_close(PGconn *conn)
@@ -270,6 +293,10 @@ int idemp_pg_connect(idemp_pg_t *pg, idem_error_t *err)
     pg->conn = open_conn(pg->conninfo, pg->where, err);
     if (pg->conn == NULL)
         return IDEM_ERR_PG_CONNECT;
+    if (!pg->warned_plain && plain_remote(pg->conn)) {
+        pg->warned_plain = true;
+        warn_plain(pg->conn, pg->component);
+    }
     pg->generation++;
     return IDEM_OK;
 }
@@ -291,14 +318,6 @@ int idemp_pg_ensure(idemp_pg_t *pg, bool *reconnected, idem_error_t *err)
         snprintf(at, sizeof at, "%s:%s", PQhost(pg->conn), PQport(pg->conn));
         const char *kv[] = {"server", at, "tls", PQsslInUse(pg->conn) ? "on" : "off", NULL};
         idem_log(IDEM_LOG_INFO, pg->component, kv, "connected to PostgreSQL");
-        if (!PQsslInUse(pg->conn) && !pg->warned_plain && !idemp_host_loopback(PQhost(pg->conn))) {
-            /* sslmode=prefer (libpq's default) falls back to plain TCP without a word */
-            pg->warned_plain = true;
-            idem_log(IDEM_LOG_WARN, pg->component, kv,
-                     "connected to PostgreSQL without TLS (tls=off) on a host that is not "
-                     "loopback: the password and every statement cross the network in clear "
-                     "(use sslmode=verify-full)");
-        }
         if (reconnected != NULL)
             *reconnected = pg->was_up;
         pg->was_up = true;

@@ -416,15 +416,19 @@ def test_pgpassfile_supplies_the_postgres_password(pg_secret_role, pw_file):
     assert re.search(r"password|authentication", one_line(r, "failed"))
 
 
-def test_daemons_are_not_dumpable(db, servers, tmp_path):
+@pytest.mark.parametrize("daemon", ["relay", "consume"])
+def test_daemons_are_not_dumpable(daemon, db, servers, tmp_path):
     """A daemon holds passwords in memory: it is not dumpable (no core file, no ptrace by the
     same user). Run as an unprivileged user, its /proc files are then owned by root, as the
     kernel does for non-dumpable processes; a dumpable one's would be that user's."""
     if os.geteuid() != 0:
         pytest.fail("needs root, to start the daemon as another user (CI runs as root)")
     nobody = 65534
+    args = {"relay": ["relay", "--poll-interval", "1s"],
+            "consume": ["consume", "--consumer", f"c_{uuid.uuid4().hex[:8]}", "--queue",
+                        f"q_{uuid.uuid4().hex[:8]}"]}[daemon]
     p = subprocess.Popen(["setpriv", f"--reuid={nobody}", f"--regid={nobody}", "--clear-groups",
-                          IDEM, "relay", "--poll-interval", "1s"],
+                          IDEM, *args],
                          env=dict(os.environ, IDEM_PG_URL=db.url, IDEM_AMQP_URL=servers.amqp_url),
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=str(tmp_path))
     try:
