@@ -7,8 +7,8 @@
 -- consumer (or a handler running in its transaction) cannot pre-claim event ids under another
 -- consumer's name. idem's owner can bind names ahead (INSERT INTO idem.idem_consumer_roles) and
 -- rebind them (UPDATE ... SET role), e.g. to a group role that several login roles share; a
--- binding whose role was dropped frees the name. The check is one hashed subquery per claim
--- statement, not one per row.
+-- binding whose role was dropped frees the name. The check is one subquery (an InitPlan) per claim
+-- statement, not one per row (the role is kept as its oid, regrole: no catalog join).
 --
 -- Operators change rows only through functions that enforce the rules: idem_replay returns
 -- failed rows to pending, none older than the dedup window given (then it changes nothing);
@@ -17,20 +17,20 @@
 -- can no longer mark a pending row sent, delete a pending or failed row, or rewrite the ledger.
 CREATE TABLE IF NOT EXISTS idem.idem_consumer_roles (
     consumer text PRIMARY KEY,
-    role name NOT NULL,
+    role regrole NOT NULL,
     bound_at timestamptz NOT NULL DEFAULT pg_catalog.now()
 );
 
 -- Binds consumer to the caller's login role unless it is bound already; refuses (42501) a caller
 -- that is not a member of the role the name is bound to. Returns that role.
 CREATE OR REPLACE FUNCTION idem.idem_consumer_bind(consumer text)
-RETURNS name
+RETURNS regrole
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, idem, pg_temp
 AS $$
 DECLARE
-    v_role name;
+    v_role regrole;
 BEGIN
     IF consumer IS NULL OR consumer = '' THEN
         RAISE EXCEPTION 'idem_consumer_bind: the consumer name must not be empty'
@@ -38,14 +38,15 @@ BEGIN
     END IF;
     DELETE FROM idem.idem_consumer_roles b
      WHERE b.consumer = idem_consumer_bind.consumer
-       AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles r WHERE r.rolname = b.role);
+       AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles r WHERE r.oid = b.role::oid);
     INSERT INTO idem.idem_consumer_roles (consumer, role)
-    VALUES (idem_consumer_bind.consumer, session_user)
+    SELECT idem_consumer_bind.consumer, r.oid::regrole FROM pg_catalog.pg_roles r
+     WHERE r.rolname = session_user
     ON CONFLICT ON CONSTRAINT idem_consumer_roles_pkey DO NOTHING;
     SELECT b.role INTO v_role FROM idem.idem_consumer_roles b
      WHERE b.consumer = idem_consumer_bind.consumer;
     -- current_user: idem's owner (this function's), who may write any row anyway
-    IF NOT pg_catalog.pg_has_role(session_user, v_role, 'MEMBER')
+    IF NOT pg_catalog.pg_has_role(session_user, v_role::oid, 'MEMBER')
        AND NOT pg_catalog.pg_has_role(session_user, current_user, 'MEMBER') THEN
         RAISE EXCEPTION 'consumer name "%" belongs to role %, not to %', consumer, v_role,
             session_user
@@ -63,8 +64,7 @@ DROP POLICY IF EXISTS idem_ledger_own_rows ON idem.consumed_events;
 CREATE POLICY idem_ledger_own_rows ON idem.consumed_events FOR INSERT
     WITH CHECK (consumer OPERATOR(pg_catalog.=) ANY (ARRAY(
         SELECT b.consumer FROM idem.idem_consumer_roles b
-          JOIN pg_catalog.pg_roles r ON r.rolname OPERATOR(pg_catalog.=) b.role
-         WHERE pg_catalog.pg_has_role(session_user, r.oid, 'MEMBER'))));
+         WHERE pg_catalog.pg_has_role(session_user, b.role::oid, 'MEMBER'))));
 
 -- Returns failed rows to pending (attempts 0, next attempt now, last_error kept): the one of
 -- event_id, or every failed row when it is NULL. If any of them is older than the dedup window
