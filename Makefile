@@ -363,7 +363,8 @@ clean:
 FUZZ_CC ?= clang
 FUZZ_SECONDS ?= 60
 FUZZ_DIR = $(BUILD)/fuzz
-FUZZ_TARGETS := fuzz_envelope fuzz_billing_payload fuzz_amqp_url_mask fuzz_props_envelope
+FUZZ_TARGETS := fuzz_envelope fuzz_billing_payload fuzz_amqp_url_mask fuzz_props_envelope \
+	fuzz_digest
 FUZZ_SAN = -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 FUZZ_CFLAGS = $(STD_CFLAGS) -g -O1 $(FUZZ_SAN) \
 	-Iinclude -Isrc -Ihandlers $(PKG_CFLAGS)

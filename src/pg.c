@@ -192,10 +192,11 @@ static PGconn *open_conn(const char *conninfo, const char *where, idem_error_t *
                                "be percent-encoded (%%20)");
                 return NULL;
             }
-    if (idemp_pg_uri_at_after_host(conninfo)) {
+    if (idemp_pg_uri_ambiguous(conninfo)) {
         idem_error_set(err, IDEM_ERR_PG_CONNECT,
-                       "invalid PostgreSQL URI: an '@' after its host (a password holding '@', "
-                       "'/' or ':' must be percent-encoded, %%40 %%2F %%3A)");
+                       "invalid PostgreSQL URI: \"://\" past its scheme or an '@' after its "
+                       "host (a password holding '@', '/' or ':' must be percent-encoded, %%40 "
+                       "%%2F %%3A)");
         return NULL;
     }
     const char *keys[] = {"connect_timeout",

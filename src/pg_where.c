@@ -67,17 +67,22 @@ static char *uri_without_userinfo(const char *conninfo)
     return s;
 }
 
-/* A URI with an '@' in its path: libpq ends the authority at the first '/', so a password holding
- * "://" or '@' and '/' leaves part of itself in the host, port or database name, which errors and
- * log lines show. Where that password ends cannot be told, so idem refuses it. */
-bool idemp_pg_uri_at_after_host(const char *conninfo)
+/* A URI with "://" past its scheme, or an '@' in its path: libpq ends the authority at the first
+ * '/', so a password holding "://" or '@' and '/' leaves part of itself in the host, port or
+ * database name, which errors and log lines show. Where that password ends cannot be told, so
+ * idem refuses it. */
+bool idemp_pg_uri_ambiguous(const char *conninfo)
 {
     const char *p = NULL;
     if (strncmp(conninfo, "postgres://", 11) == 0)
         p = conninfo + 11;
     else if (strncmp(conninfo, "postgresql://", 13) == 0)
         p = conninfo + 13;
-    if (p == NULL || (p = strchr(p, '/')) == NULL)
+    if (p == NULL)
+        return false;
+    if (strstr(p, "://") != NULL)
+        return true;
+    if ((p = strchr(p, '/')) == NULL)
         return false;
     const char *at = strchr(p, '@'), *q = strchr(p, '?');
     return at != NULL && (q == NULL || at < q);
@@ -88,7 +93,7 @@ void idemp_pg_where(const char *conninfo, char *out, size_t outsz)
     char hosts[512] = "", ports[128] = "";
     if (conninfo == NULL)
         conninfo = "";
-    bool ok = !idemp_pg_uri_at_after_host(conninfo) &&
+    bool ok = !idemp_pg_uri_ambiguous(conninfo) &&
               parse_where(conninfo, hosts, sizeof hosts, ports, sizeof ports);
     if (!ok || strchr(hosts, '@') != NULL || !port_ok(ports)) {
         char *clean = uri_without_userinfo(conninfo);

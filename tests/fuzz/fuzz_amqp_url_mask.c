@@ -2,7 +2,10 @@
  * masking of secrets in log lines (src/mask.c: idemp_mask_secrets, idemp_mask_line).
  *
  * Input: a mode byte, an output-size byte, then the text. Mode bit 0 set: the text is used as
- * it is (a URL or a conninfo); clear: "amqp://" is put before it.
+ * it is (a URL or a conninfo); clear: "amqp://" is put before it. Mode bit 2 set: the text is a
+ * password length byte, the password and the rest, built into a URL whose password is written
+ * unencoded ("://", '@', ',', quotes, blanks: whatever the input holds), by bits 3-4: amqp://,
+ * amqps://, a list of two AMQP URLs, or postgresql://.
  *
  * Checked beyond memory safety (every output buffer is a heap block of exactly its size):
  * - a parsed URL's fields are NUL-terminated within their arrays, its port in 1-65535;
@@ -11,13 +14,18 @@
  *   had tabs and newlines flattened), unless it also appears in the ideal masked text (the URL
  *   with the password replaced by "***");
  * - whenever libpq parses the text as a conninfo with a password or sslpassword, that value
- *   does not appear in the masked text unless it also appears elsewhere in the input. */
+ *   does not appear in the masked text unless it also appears elsewhere in the input;
+ * - for a URL built with an unencoded password (bit 2) that the AMQP parser refuses, no piece of
+ *   that password shows in the invalid-URL error's text (idemp_mask_unparsed_url); for a
+ *   PostgreSQL URI, none in the server that messages name (idemp_pg_where), unless idem refuses
+ *   the URI before libpq reads it (idemp_pg_uri_ambiguous). */
 #include <ctype.h>
 
 #include <libpq-fe.h>
 
 #include "fuzz_common.h"
 #include "mask.h"
+#include "pg.h"
 #include "rmq.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
@@ -66,7 +74,8 @@ static void no_leak(const char *what, const char *masked, const char *ideal, con
         memcpy(piece, secret + i, w);
         piece[w] = '\0';
         if (strstr(ideal, piece) != NULL || strstr("sslpassword=***", piece) != NULL ||
-            strstr("://:***@", piece) != NULL || strchr(piece, '*') != NULL)
+            strstr("://:***@", piece) != NULL || strstr("localhost:5432", piece) != NULL ||
+            strchr(piece, '*') != NULL)
             continue; /* printed legitimately elsewhere, or what the mask writes itself */
         FZ_CHECK(strstr(masked, piece) == NULL,
                  "%s leaks '%s' of the password '%s' of '%s' as '%s'", what, piece, secret, url,
@@ -161,12 +170,65 @@ static void check_conninfo(const char *text)
     PQconninfoFree(opts);
 }
 
+/* bit 2: "SCHEME://u:" PASSWORD "@" REST, the password as the input has it */
+static void check_unencoded(const uint8_t *data, size_t n, uint8_t mode)
+{
+    if (n < 1)
+        return;
+    size_t pl = data[0] < n - 1 ? data[0] : n - 1;
+    const uint8_t *pw = data + 1, *rest = pw + pl;
+    size_t rl = n - 1 - pl;
+    if (memchr(data + 1, '\0', n - 1) != NULL)
+        return;
+    static const char *const prefix[] = {"amqp://u:", "amqps://u:", "amqp://a:x@h1,amqp://u:",
+                                         "postgresql://u:"};
+    const char *pre = prefix[(mode >> 3) & 3];
+    size_t prel = strlen(pre);
+    char *url = malloc(prel + pl + 1 + rl + 1);
+    memcpy(url, pre, prel);
+    memcpy(url + prel, pw, pl);
+    url[prel + pl] = '@';
+    memcpy(url + prel + pl + 1, rest, rl);
+    url[prel + pl + 1 + rl] = '\0';
+    char *secret = fz_dup(pw, pl, 1);
+    char *ideal = ideal_url(url, prel, pl);
+    size_t big = strlen(url) * 2 + 64;
+    if (((mode >> 3) & 3) == 3) {
+        if (!idemp_pg_uri_ambiguous(url)) {
+            char *where = malloc(big);
+            idemp_pg_where(url, where, big);
+            no_leak("idemp_pg_where", where, ideal, secret, url);
+            free(where);
+        }
+    } else {
+        /* a list is refused as a whole when one of its URLs is (rmq.c) */
+        idemp_amqp_url_t u;
+        bool ok = true;
+        char *copy = strdup(url), *save = NULL;
+        for (char *tok = strtok_r(copy, ",", &save); tok && ok; tok = strtok_r(NULL, ",", &save))
+            ok = idemp_amqp_url_parse(tok, &u) == IDEM_OK;
+        free(copy);
+        if (!ok) {
+            char *m = mask_with(idemp_mask_unparsed_url, url, big);
+            no_leak("idemp_mask_unparsed_url", m, ideal, secret, url);
+            free(m);
+        }
+    }
+    free(ideal);
+    free(secret);
+    free(url);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (size < 2 || size > 4096)
         return 0;
     uint8_t mode = data[0];
     size_t outsz = data[1];
+    if (mode & 4) {
+        check_unencoded(data + 2, size - 2, mode);
+        return 0;
+    }
     const char *prefix = (mode & 1) ? "" : "amqp://";
     size_t plen = strlen(prefix), n = size - 2;
     char *text = malloc(plen + n + 1);

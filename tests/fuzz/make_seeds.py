@@ -99,6 +99,26 @@ def seeds_url():
     w("pguri", 3, "postgresql://app:hunter22@db:5432/billing?sslmode=require")
     w("query_pw", 3, "postgresql://db/x?password=hunter22&sslmode=require")
     w("newline", 1, "error at amqp://u:line\nbreak@h\tand more\n")
+    # mode bit 2: an unencoded password (length byte, password, rest), scheme by bits 3-4
+    for name, bits, pw, rest in (("unencoded_scheme", 0, "alpha1://bravo2", "127.0.0.1:5672"),
+                                 ("unencoded_tls", 1, "alpha1@bravo2://charlie3", "h:5671/v"),
+                                 ("unencoded_list", 2, "alpha1://bravo2,charlie3", "h2"),
+                                 ("unencoded_quotes", 0, "alpha1'bravo2\" ://charlie3", "h/v"),
+                                 ("unencoded_pg", 3, "alpha1@bravo2://charlie3", "db:5432/x"),
+                                 ("unencoded_pg_query", 3, "alpha1?x=bravo2", "db/x?sslmode=a")):
+        write("fuzz_amqp_url_mask", name,
+              bytes([4 | bits << 3, 200, len(pw)]) + pw.encode() + rest.encode())
+
+
+def seeds_digest():
+    w = lambda name, t, sub, body, k=0: write("fuzz_digest", name,
+                                             fld(t) + fld(sub) + fld(body) + bytes([k]))
+    w("good", "invoice.paid", SUB, GOOD, 3)
+    w("boundary", "ab", "c", "{}", 1)  # ("ab", "c") against ("a", "bc")
+    w("empty", "", "", "{}", 0)
+    w("nested", "t", SUB, json.dumps({"b": [1, {"z": 1, "a": "\u00e9"}], "a": 2.5e-7}), 9)
+    w("big", "payment.failed", SUB, json.dumps({"k%d" % i: "v" * 40 for i in range(120)}), 5)
+    w("escapes", "x", "", json.dumps({"s": "a/b\"c\\d\n\u2028"}), 2)
 
 
 def props(**kw):
@@ -182,5 +202,6 @@ if __name__ == "__main__":
     seeds_envelope()
     seeds_payload()
     seeds_url()
+    seeds_digest()
     seeds_props()
     regressions()

@@ -331,17 +331,19 @@ static void test_where_unencoded_password(void **state)
     expect_where("postgresql://u:pa://ss@127.0.0.1:1/x", "127.0.0.1:1");
 }
 
-static void test_uri_at_after_host(void **state)
+static void test_uri_ambiguous(void **state)
 {
     (void)state;
-    assert_true(idemp_pg_uri_at_after_host("postgresql://u:pa://ss@h:1/x"));
-    assert_true(idemp_pg_uri_at_after_host("postgres://u:pa@ss://word@h/x"));
-    assert_true(idemp_pg_uri_at_after_host("postgresql://u:pa/ss@h/x?sslmode=require"));
-    assert_false(idemp_pg_uri_at_after_host("postgresql://u:p@ss@h:1/x"));
-    assert_false(idemp_pg_uri_at_after_host("postgresql://u@h/x?password=a://b@c"));
-    assert_false(idemp_pg_uri_at_after_host("postgresql://u:p@h/db"));
-    assert_false(idemp_pg_uri_at_after_host("host=h password=a://b@c"));
-    assert_false(idemp_pg_uri_at_after_host(""));
+    assert_true(idemp_pg_uri_ambiguous("postgresql://u:pa://ss@h:1/x"));
+    assert_true(idemp_pg_uri_ambiguous("postgres://u:pa@ss://word@h/x"));
+    assert_true(idemp_pg_uri_ambiguous("postgresql://u:pa/ss@h/x?sslmode=require"));
+    assert_false(idemp_pg_uri_ambiguous("postgresql://u:p@ss@h:1/x"));
+    assert_true(idemp_pg_uri_ambiguous("postgresql://u@h/x?password=a://b@c"));
+    assert_true(idemp_pg_uri_ambiguous("postgresql://u:p@q://d?password=@"));
+    assert_false(idemp_pg_uri_ambiguous("postgresql://u@h/x?password=a:/b@c"));
+    assert_false(idemp_pg_uri_ambiguous("postgresql://u:p@h/db"));
+    assert_false(idemp_pg_uri_ambiguous("host=h password=a://b@c"));
+    assert_false(idemp_pg_uri_ambiguous(""));
 }
 
 static void test_where_env(void **state)
@@ -1066,7 +1068,7 @@ int main(void)
         cmocka_unit_test_setup(test_where_keyvalue, clear_pgenv),
         cmocka_unit_test_setup(test_where_env, clear_pgenv),
         cmocka_unit_test_setup(test_where_unencoded_password, clear_pgenv),
-        cmocka_unit_test(test_uri_at_after_host),
+        cmocka_unit_test(test_uri_ambiguous),
         cmocka_unit_test_setup(test_where_truncates, clear_pgenv),
         cmocka_unit_test(test_url_defaults),
         cmocka_unit_test(test_url_full),
