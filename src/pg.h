@@ -144,9 +144,9 @@ int idemp_pg_schema_check(PGconn *conn, const char *const *extra, idem_error_t *
 /* "host:port" of a libpq conninfo or URI for messages, libpq's defaults filled in; a multi-host
  * conninfo gives "h1:p1,h2:p2". */
 void idemp_pg_where(const char *conninfo, char *out, size_t outsz);
-/* A PostgreSQL URI with "://" past its scheme or an '@' after its host (before any '?'): a
- * password holding "://" or '@' and '/' written unencoded, which libpq would read partly as host,
- * port or database. Refused. */
+/* A PostgreSQL URI with "://" past its scheme, an '@' after its host before any '?', or userinfo
+ * and another '@' past a '/' or '?': a password holding "://" or '@' and '/' written unencoded,
+ * which libpq would read partly as host, port or database. Refused. */
 bool idemp_pg_uri_ambiguous(const char *conninfo);
 
 /* Array literals for uuid[]/text[]/bigint[] parameters, built by appending elements. */

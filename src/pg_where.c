@@ -67,10 +67,10 @@ static char *uri_without_userinfo(const char *conninfo)
     return s;
 }
 
-/* A URI with "://" past its scheme, or an '@' in its path: libpq ends the authority at the first
- * '/', so a password holding "://" or '@' and '/' leaves part of itself in the host, port or
- * database name, which errors and log lines show. Where that password ends cannot be told, so
- * idem refuses it. */
+/* A URI with "://" past its scheme, an '@' in its path, or userinfo and an '@' past a '/' or '?':
+ * libpq ends the authority at the first '/', so a password holding "://" or '@' and '/' leaves
+ * part of itself in the host, port or database name, which errors and log lines show. Where that
+ * password ends cannot be told, so idem refuses it. */
 bool idemp_pg_uri_ambiguous(const char *conninfo)
 {
     const char *p = NULL;
@@ -82,10 +82,15 @@ bool idemp_pg_uri_ambiguous(const char *conninfo)
         return false;
     if (strstr(p, "://") != NULL)
         return true;
-    if ((p = strchr(p, '/')) == NULL)
+    const char *first = strchr(p, '@'), *last = strrchr(p, '@'), *slash = strchr(p, '/');
+    if (first == NULL)
         return false;
-    const char *at = strchr(p, '@'), *q = strchr(p, '?');
-    return at != NULL && (q == NULL || at < q);
+    /* an '@' in the path (after the host, before any '?') */
+    const char *at = slash ? strchr(slash, '@') : NULL, *q = slash ? strchr(slash, '?') : NULL;
+    if (at != NULL && (q == NULL || at < q))
+        return true;
+    /* userinfo, and another '@' past a '/' or '?': the query's, or the password's end */
+    return first != last && strcspn(first, "/?") < (size_t)(last - first);
 }
 
 void idemp_pg_where(const char *conninfo, char *out, size_t outsz)

@@ -340,7 +340,12 @@ static void test_uri_ambiguous(void **state)
     assert_false(idemp_pg_uri_ambiguous("postgresql://u:p@ss@h:1/x"));
     assert_true(idemp_pg_uri_ambiguous("postgresql://u@h/x?password=a://b@c"));
     assert_true(idemp_pg_uri_ambiguous("postgresql://u:p@q://d?password=@"));
-    assert_false(idemp_pg_uri_ambiguous("postgresql://u@h/x?password=a:/b@c"));
+    assert_true(idemp_pg_uri_ambiguous("postgresql://u@h/x?password=a:/b@c"));
+    assert_true(idemp_pg_uri_ambiguous("postgresql://u:d@h=p/db?password=x@y"));
+    assert_false(idemp_pg_uri_ambiguous("postgresql://h/x?password=a:/b@c"));
+    assert_true(idemp_pg_uri_ambiguous("postgresql://u:p@h?password=abc@hunter22"));
+    assert_true(idemp_pg_uri_ambiguous("postgresql://u:d@h?password=hu@"));
+    assert_false(idemp_pg_uri_ambiguous("postgresql://h?password=abc@hunter22"));
     assert_false(idemp_pg_uri_ambiguous("postgresql://u:p@h/db"));
     assert_false(idemp_pg_uri_ambiguous("host=h password=a://b@c"));
     assert_false(idemp_pg_uri_ambiguous(""));
