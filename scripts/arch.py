@@ -57,8 +57,7 @@ def module_of(path):
 
 
 def sources():
-    files = (glob.glob(os.path.join(ROOT, "src", "*.[ch]"))
-             + glob.glob(os.path.join(ROOT, "src", "cli", "*.[ch]"))
+    files = (glob.glob(os.path.join(ROOT, "src", "**", "*.[ch]"), recursive=True)
              + glob.glob(os.path.join(ROOT, "handlers", "*.[ch]")))
     return sorted(files)
 
