@@ -86,6 +86,7 @@ LIB_SRCS := \
 	src/consumer/consumer_tx.c \
 	src/consumer/consumer_window.c \
 	src/consumer/consumer_ops.c \
+	src/consumer/consumer_log.c \
 	src/relay/relay.c \
 	src/relay/relay_claim.c \
 	src/relay/relay_wake.c \
