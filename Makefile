@@ -59,6 +59,7 @@ LIB_SRCS := \
 	src/wire/envelope.c \
 	src/wire/digest.c \
 	src/adapters/pg/pg.c \
+	src/adapters/pg/pg_exec.c \
 	src/adapters/pg/pg_pipeline.c \
 	src/adapters/pg/pg_where.c \
 	src/adapters/pg/pg_async.c \
