@@ -146,7 +146,8 @@ def defined(code):
 
 
 def cycles(edges, nodes):
-    """One cycle through each strongly connected part of the graph that has one (Tarjan)."""
+    """For each strongly connected part of the graph (Tarjan's algorithm) with more than one
+    node: one cycle through it, and all its nodes."""
     index, low, stack, on, found = {}, {}, [], set(), []
     sys.setrecursionlimit(10000)
 
@@ -169,7 +170,7 @@ def cycles(edges, nodes):
                 if w == v:
                     break
             if len(part) > 1:
-                found.append(path_through(edges, set(part), min(part)))
+                found.append((path_through(edges, set(part), min(part)), sorted(part)))
 
     for v in sorted(nodes):
         if v not in index:
@@ -259,17 +260,19 @@ def main():
             if b in layer_of and layer_of[b] < layer_of[a]:
                 problems.append(f"{a} ({LAYERS[layer_of[a]][0]}) includes {b} "
                                 f"({LAYERS[layer_of[b]][0]}), a layer above it")
-    for c in cycles(edges, layer_of):
+    for c, part in cycles(edges, layer_of):
         problems.append("module cycle: " + " -> ".join(c))
-    for c in cycles(inc_edges, files):
+    for c, part in cycles(inc_edges, files):
         problems.append("include cycle: " + " -> ".join(rel(f) for f in c))
-    for c in cycles(fn_edges, [f for f in files if f.endswith(".c")]):
+    for c, part in cycles(fn_edges, [f for f in files if f.endswith(".c")]):
         steps = []
         for a, b in zip(c, c[1:]):
             used = sorted(n for n in set(re.findall(r"\b(idemp?_\w+)\b", codes[a]))
                           if definer.get(n) == b)
             steps.append(f"{rel(a)} -> ({', '.join(used[:3])}{', ...' if len(used) > 3 else ''})")
-        problems.append("file cycle: " + " ".join(steps) + f" {rel(c[-1])}")
+        problems.append("file cycle: " + " ".join(steps) + f" {rel(c[-1])}"
+                        + (f" (all of {', '.join(rel(f) for f in part)} depend on each other)"
+                           if len(part) > len(c) - 1 else ""))
 
     if "--dot" in sys.argv:
         print("digraph idem {\n  rankdir=TB; node [shape=box];")
