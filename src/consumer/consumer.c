@@ -39,15 +39,6 @@ void idem_consumer_config_init(idem_consumer_config_t *cfg)
     cfg->metrics_addr = "127.0.0.1";
 }
 
-char *idemp_consumer_name(const char *fmt, const char *a, int i)
-{
-    size_t n = strlen(fmt) + strlen(a) + 16;
-    char *s = malloc(n);
-    if (s != NULL)
-        snprintf(s, n, fmt, a, i);
-    return s;
-}
-
 /* The consumed queues: QUEUE, or the partitions of the list (all when none is given). */
 static bool make_queues(idem_consumer_t *c, const idem_consumer_config_t *cfg)
 {

@@ -45,6 +45,15 @@ static bool say(idem_relay_t *r, const char *sql)
     return false;
 }
 
+/* Rows are probably due (a NOTIFY, the backstop poll, a batch's subscriptions let go): claim when
+ * a slot is free. A claim that finds less than a batch clears this, unless a wake came since it
+ * started. */
+void idemp_relay_wake(idem_relay_t *r)
+{
+    r->wakes++;
+    r->want_claim = true;
+}
+
 void idemp_relay_wake_connected(idem_relay_t *r)
 {
     r->idle_said = false;

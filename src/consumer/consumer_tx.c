@@ -3,7 +3,6 @@
  * its way while the next batch runs on another connection; and how every outcome settles under
  * the failure policy (retry, reject, pause). Acks and dead letters happen in consumer.c. */
 #include <poll.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,24 +25,6 @@ typedef enum { R_OK, R_FALLBACK, R_PAUSE } run_result;
 /* The mark of the claim's transaction (set by the claim's settings, consumer_claim.c). */
 #define SQL_CLAIM_MARK                                                                             \
     "SELECT pg_catalog.current_setting('idem.claim', true) IS NOT DISTINCT FROM 'on'"
-
-static const char *const LOGC = "consumer";
-
-void idemp_consumer_log(idem_log_level lvl, const idem_consumer_t *c, const delivery_t *d,
-                        const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    char *msg = idemp_vformat(fmt, ap);
-    va_end(ap);
-    const char *kv[] = {"consumer",   c->consumer,
-                        "queue",      c->queue,
-                        "event_id",   d != NULL && d->ev.event_id[0] ? d->ev.event_id : NULL,
-                        "event_type", d != NULL && d->ev.event_type[0] ? d->ev.event_type : NULL,
-                        NULL};
-    idem_log(lvl, LOGC, kv, "%s", msg ? msg : "out of memory");
-    free(msg);
-}
 
 void idemp_consumer_pause(idem_consumer_t *c, const char *cause, const char *detail)
 {

@@ -40,13 +40,6 @@ int idemp_pg_read_queued(idemp_pg_t *pg, const char *what, PGresult **out)
     return rc;
 }
 
-int idemp_pg_send_failed(idemp_pg_t *pg, const char *sql, idem_error_t *err)
-{
-    idem_error_set(&pg->perr, IDEM_ERR_PG_LOST, "sending %.40s failed: %s", sql,
-                   PQerrorMessage(pg->conn));
-    return idem_error_set(err, IDEM_ERR_PG_LOST, "%s", pg->perr.text);
-}
-
 /* Queues a statement in pipeline mode; with out, reads every queued result up to it. */
 int idemp_pg_pipeline_exec(idemp_pg_t *pg, const char *sql, const char *name, int nparams,
                            const char *const *params, idemp_rows_t **out, idem_error_t *err)
@@ -139,51 +132,5 @@ int idemp_pg_pipeline_end(idemp_pg_t *pg, idem_error_t *err)
             *err = pg->perr;
         return idemp_pg_lost_check(pg, pg->perr.code, &pg->perr);
     }
-    return IDEM_OK;
-}
-
-int idemp_pg_pipeline_finish(idemp_pg_t *pg, const char *sql, int nparams,
-                             const char *const *params, idemp_rows_t **out, idem_error_t *err)
-{
-    *out = NULL;
-    if (!pg->pipeline)
-        return idemp_pg_exec(pg, sql, nparams, params, out, err);
-    const char *name;
-    int rc = idemp_pg_prepared_name(pg, sql, nparams, &name, err);
-    if (rc != IDEM_OK)
-        return rc;
-    int ok = name != NULL ? PQsendQueryPrepared(pg->conn, name, nparams, params, NULL, NULL, 0)
-                          : PQsendQueryParams(pg->conn, sql, nparams, NULL, params, NULL, NULL, 0);
-    if (!ok)
-        return idemp_pg_send_failed(pg, sql, err);
-    pg->queued++;
-    if (!PQpipelineSync(pg->conn)) {
-        idemp_pg_send_failed(pg, sql, err);
-        return idemp_pg_pipeline_end(pg, NULL);
-    }
-    while (pg->queued > 1)
-        idemp_pg_read_queued(pg, "pipelined statement", NULL);
-    PGresult *res = NULL;
-    idemp_pg_read_queued(pg, sql, &res);
-    PGresult *sync = PQgetResult(pg->conn);
-    if (sync == NULL || PQresultStatus(sync) != PGRES_PIPELINE_SYNC)
-        idem_error_set(&pg->perr, IDEM_ERR_PG_LOST, "pipeline sync lost: %s",
-                       PQerrorMessage(pg->conn));
-    PQclear(sync);
-    pg->queued = 0;
-    if (PQstatus(pg->conn) == CONNECTION_OK && !PQexitPipelineMode(pg->conn))
-        idem_error_set(&pg->perr, IDEM_ERR_PG_LOST, "cannot leave pipeline mode: %s",
-                       PQerrorMessage(pg->conn));
-    pg->pipeline = pg->paused = false;
-    if (pg->perr.code != 0) {
-        PQclear(res);
-        for (int i = pg->first_new; i < pg->nprepared; i++)
-            free(pg->prepared[i].sql);
-        pg->nprepared = pg->first_new;
-        if (err != NULL && err->code == 0)
-            *err = pg->perr;
-        return idemp_pg_lost_check(pg, pg->perr.code, &pg->perr);
-    }
-    *out = (idemp_rows_t *)res;
     return IDEM_OK;
 }

@@ -8,6 +8,15 @@
 
 #include "consumer_int.h"
 
+char *idemp_consumer_name(const char *fmt, const char *a, int i)
+{
+    size_t n = strlen(fmt) + strlen(a) + 16;
+    char *s = malloc(n);
+    if (s != NULL)
+        snprintf(s, n, fmt, a, i);
+    return s;
+}
+
 /* ---- topology ----------------------------------------------------------------------------- */
 
 static int bind_keys(idem_consumer_t *c, const char *target, bool exchange, idem_error_t *err)

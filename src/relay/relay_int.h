@@ -125,6 +125,9 @@ struct idem_relay {
 
 /* ---- relay_wake.c ---- */
 
+/* Rows are probably due: claim when a slot is free. */
+void idemp_relay_wake(idem_relay_t *r);
+
 /* The control connection is (re)connected: idle rows of relays that are gone are deleted (their
  * emitters would go on notifying), ours is not there yet. */
 void idemp_relay_wake_connected(idem_relay_t *r);
@@ -192,10 +195,6 @@ void idemp_relay_abort_slot(idem_relay_t *r, slot_t *sl);
  * several were, they become suspects. Claims in flight are rolled back. */
 void idemp_relay_salvage(idem_relay_t *r, int rc, const idem_error_t *err);
 size_t idemp_relay_unconfirmed(const idem_relay_t *r);
-
-/* ---- relay.c ---- */
-/* Rows are probably due: claim when a slot is free. */
-void idemp_relay_wake(idem_relay_t *r);
 
 /* ---- relay_ops.c ---- */
 /* The gauges: the oldest pending row's age every second, the counts of pending and failed rows

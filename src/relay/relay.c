@@ -152,15 +152,6 @@ static bool stopping(const idem_relay_t *r)
     return r->cfg.stop != NULL && *r->cfg.stop;
 }
 
-/* Rows are probably due (a NOTIFY, the backstop poll, a batch's subscriptions let go): claim when
- * a slot is free. A claim that finds less than a batch clears this, unless a wake came since it
- * started. */
-void idemp_relay_wake(idem_relay_t *r)
-{
-    r->wakes++;
-    r->want_claim = true;
-}
-
 /* A NOTIFY: rows were committed while we said we were idle. */
 static void notified(idem_relay_t *r)
 {

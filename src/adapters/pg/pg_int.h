@@ -1,5 +1,6 @@
-/* pg_int.h - what pg.c (connections, statements, LISTEN) and pg_pipeline.c (pipeline mode)
- * share. Not for other modules. */
+/* pg_int.h - what the files of the PostgreSQL adapter share (pg.c: connections, results,
+ * prepared statements; pg_pipeline.c and pg_async.c: pipeline mode; pg_exec.c: statements).
+ * Not for other modules. */
 #ifndef IDEM_PG_INT_H
 #define IDEM_PG_INT_H
 

@@ -105,9 +105,9 @@ struct idem_consumer {
     volatile sig_atomic_t no_stop;
 };
 
-/* ---- consumer.c, consumer_sql.c, consumer_topology.c ---- */
+/* ---- consumer_topology.c, consumer_sql.c ---- */
 
-/* printf(fmt, a, i) into a new string (free()), or NULL. */
+/* printf(fmt, a, i) into a new string (free()), or NULL: the names of the queues and exchanges. */
 char *idemp_consumer_name(const char *fmt, const char *a, int i);
 /* Declares (or checks) the topology and starts consuming; IDEM_ERR_REFUSED / IDEM_ERR_NOT_FOUND
  * for configurations that cannot work. */
@@ -216,6 +216,8 @@ void idemp_consumer_forget_inflight(idem_consumer_t *c);
  * "conn") is logged at error level when it starts or changes and counted. */
 void idemp_consumer_pause(idem_consumer_t *c, const char *cause, const char *detail);
 
+/* ---- consumer_log.c ---- */
+/* A log line with the consumer and queue, and d's event_id and event_type (d may be NULL). */
 void idemp_consumer_log(idem_log_level lvl, const idem_consumer_t *c, const delivery_t *d,
                         const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 
