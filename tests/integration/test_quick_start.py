@@ -48,9 +48,13 @@ def quick_start_blocks():
 def copy_checkout(dst):
     """The checkout's files (tracked and new, not ignored) as they are in the work tree, and its
     build/ directory, with modification times kept."""
-    files = subprocess.run(["git", "-C", REPO, "ls-files", "-z", "--cached", "--others",
-                            "--exclude-standard"], capture_output=True, check=True).stdout
-    for rel in filter(None, files.decode().split("\0")):
+    r = subprocess.run(["git", "-C", REPO, "ls-files", "-z", "--cached", "--others",
+                        "--exclude-standard"], capture_output=True)
+    if r.returncode != 0:  # not a git checkout (a source tarball): everything but the builds
+        shutil.copytree(REPO, dst, symlinks=True, ignore=shutil.ignore_patterns(
+            ".git", "build-*", "__pycache__", ".pytest_cache"))
+        return
+    for rel in filter(None, r.stdout.decode().split("\0")):
         src = os.path.join(REPO, rel)
         if not os.path.lexists(src):
             continue  # deleted in the work tree
@@ -63,7 +67,8 @@ def copy_checkout(dst):
 class Shell:
     """One bash, fed block after block on stdin; its output (stdout and stderr) is collected."""
 
-    def __init__(self, cwd, env):
+    def __init__(self, cwd, env, scratch):
+        self.scratch = scratch  # where the inline commands' files go
         self.p = subprocess.Popen(["bash", "--norc", "--noprofile"], cwd=cwd, env=env,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, start_new_session=True)
@@ -97,7 +102,7 @@ class Shell:
         return self.run_inline(f'printf "%s\\n" "{expr}"').strip().splitlines()[-1]
 
     def run_inline(self, command):
-        path = os.path.join(self.cwd_tmp, f"inline{len(self.out)}.sh")
+        path = os.path.join(self.scratch, f"inline{len(self.out)}.sh")
         with open(path, "w") as f:
             f.write(command + "\n")
         return self.run(path, 30)
@@ -152,8 +157,7 @@ def test_quick_start_runs_as_written(tmp_path):
     env.update(IDEM_DEV_DIR=dev_dir, PYTHONDONTWRITEBYTECODE="1")
     scripts = tmp_path / "blocks"
     scripts.mkdir()
-    sh = Shell(str(work), env)
-    sh.cwd_tmp = str(scripts)
+    sh = Shell(str(work), env, str(scripts))
     try:
         emitted = looked = stopped = False
         for i, block in enumerate(blocks):
