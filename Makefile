@@ -153,7 +153,7 @@ CLI_OBJS := $(CLI_SRCS:%.c=$(BUILD)/%.o)
 UNIT_BINS := $(UNIT_TESTS:%=$(BUILD)/%)
 
 .PHONY: all test test-slow check unit arch integration sanitize bench demo chaos chaos-all install \
-	valgrind format format-check clean deps FORCE
+	valgrind format format-check clean deps dev-servers dev-servers-stop FORCE
 
 all: $(BUILD)/idem $(BUILD)/libidem.a $(BUILD)/libidem.so $(BUILD)/libidem.so.$(SOMAJOR) \
 	$(BUILD)/idem-uninstalled.pc
@@ -277,6 +277,15 @@ bench: deps
 demo: deps
 	$(MAKE) all
 	/usr/bin/python3 scripts/demo.py --out $(BUILD)/demo
+
+# Private PostgreSQL and RabbitMQ for trying idem on an application of one's own: prints the
+# export lines of IDEM_PG_URL and IDEM_AMQP_URL (eval "$$(make -s dev-servers)" sets them);
+# dev-servers-stop stops them, keeping their data. See scripts/dev-servers --help.
+dev-servers: deps
+	@scripts/dev-servers start
+
+dev-servers-stop:
+	@scripts/dev-servers stop
 
 # The chaos audit: the billing scenario at scale (>= 50,000 events) under injected faults, then
 # an exactly-once, in-order audit. SEED=n replays a run's scenario and fault plan; TOPOLOGY=plain
