@@ -173,7 +173,7 @@ def check_receipts(exp, st):
     for inv, sub, event_id in st["receipts"]:
         by_inv[inv].append((sub, event_id))
     bad = [i for i, inv in exp.paid.items()
-           if by_inv.get(i) != [(inv.subscription_id, md5_uuid(f"{i}:receipt"))]]
+           if by_inv.get(i) != [(inv.subscription_id, md5_uuid("idem:" + md5_uuid(f"{i}:paid") + ":receipt"))]]
     extra = [i for i in by_inv if i not in exp.paid]
     ok = not bad and not extra
     fig = (f"{len(exp.paid)} paid invoices, {len(st['receipts'])} receipts: {len(bad)} invoices "

@@ -406,7 +406,7 @@ def audit(query, plan, consumer="billing", only=None):
     evs_of = {s: [e for e in evs if only is None or e.id in only] for s, evs in plan.items()}
     want = [e for evs in evs_of.values() for e in evs]
     paid = [e for e in want if e.type == "invoice.paid"]
-    receipts = {md5_uuid(f"{e.body['invoice_id']}:receipt") for e in paid}
+    receipts = {md5_uuid(f"idem:{e.id}:receipt") for e in paid}
 
     ledger = {r[0] for r in query(
         "SELECT event_id::text FROM idem.consumed_events WHERE consumer = %s", consumer)}
