@@ -1,7 +1,7 @@
 """Follow-up keys cannot be squatted. A handler's follow-up event (invoice.paid's
 receipt.requested) goes through idem_emit_followup with the dedup key
-idem:<parent event id>:<name>; idem_emit refuses keys in the namespace idem: (22023), so a role that
-is only idem_emitter cannot take the key of a follow-up first. Before, the receipt's key was the
+idem:<parent event id>:<name>; idem_emit refuses keys in the namespace idem: (22023), so a role
+that is only idem_emitter cannot take the key of a follow-up first. Before, the receipt's key was the
 documented <invoice_id>:receipt: an emitter that emitted it first for another subscription made the
 real invoice.paid fail (23505, dead-lettered, its revenue entry lost), and for the same subscription
 its forged receipt stood in for the real one. idem_emit_followup is executable by idem_consumer only,
