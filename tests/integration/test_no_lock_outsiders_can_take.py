@@ -103,6 +103,8 @@ class Griefer:
             conn.close()
 
     def close(self):
+        if self.stop.is_set():
+            return
         self.stop.set()
         self.thread.join(5)
         for c in (self.locks, self.shares):
@@ -141,6 +143,8 @@ def test_migrate_with_an_outsider_holding_locks_also_on_an_empty_database(server
         r = run_idem("migrate", "--billing", pg_url=url, timeout=30)
         assert r.returncode == 0 and r.stdout.startswith("nothing to apply"), r.stdout + r.stderr
         assert time.monotonic() - t0 < 30
+        assert g.thread.is_alive(), "the griefer kept polling"
+        g.close()
     finally:
         admin_exec(servers, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
@@ -178,6 +182,7 @@ def test_emit_relay_and_retain_with_an_outsider_holding_locks(db, servers, broke
     assert r.returncode == 0, r.stderr
     assert f"event_outbox: deleted {len(ids)} rows in 1 batches" in r.stdout, r.stdout + r.stderr
     assert len(g.taken) >= 2 + 2 * len(subs)
+    assert g.thread.is_alive(), "the griefer kept polling pg_locks"
 
 
 def test_retain_lease_of_a_gone_backend_is_free(db):
