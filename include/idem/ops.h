@@ -26,8 +26,9 @@ extern "C" {
  * search_path is pg_catalog, idem, pg_temp while they run (nothing planted in another schema
  * runs). A database migrated by an older idem (objects and record in the first schema of the
  * connection's search_path that has them, usually public) is moved into idem first. Writes one
- * line per applied file to out (if non-NULL) and sets *applied. Safe to run concurrently
- * (advisory lock). */
+ * line per applied file to out (if non-NULL) and sets *applied. Safe to run concurrently (each
+ * migration's transaction locks idem.idem_migrate_lock; waits bounded by lock_timeout, 60s when
+ * the session has none). */
 int idem_migrate(PGconn *conn, const char *sql_dir, FILE *out, int *applied, idem_error_t *err);
 
 /* flags: the bundled billing handlers' tables too (sql_dir/billing/, schema billing), after
@@ -60,7 +61,8 @@ typedef struct idem_retain_result {
 } idem_retain_result_t;
 
 void idem_retain_config_init(idem_retain_config_t *cfg);
-/* Runs one retention pass. Another run holding the lock (advisory lock 7651, 1): res->skipped,
+/* Runs one retention pass. Another run holding the lock (the row 'retain' of idem.idem_leases,
+ * held by the backend that wrote its pid there while that backend lives): res->skipped,
  * returns 0. Stopped through cfg->stop between batches: IDEM_ERR_INTERRUPTED with the counts of
  * what was deleted so far in res. */
 /* IDEM_ERR_REFUSED when the windows break the rules without force: the dedup window must be at

@@ -244,7 +244,8 @@ int cmd_retain(int argc, char **argv, cli_global_t *g)
             char line[256];
             idemp_log_escape(res.holder, line, sizeof line, true);
             fprintf(stderr,
-                    "idem retain: the retention lock (advisory lock 7651, 1) is held by %s\n",
+                    "idem retain: the retention lock (row 'retain' of idem.idem_leases) is held by "
+                    "%s\n",
                     line);
         }
         return CLI_EXIT_OK;

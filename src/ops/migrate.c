@@ -16,8 +16,20 @@
 #define IDEM_SQL_DIR_DEFAULT "/usr/local/share/idem/sql"
 #endif
 
-#define MIGRATE_LOCK "SELECT pg_catalog.pg_advisory_lock(7650, 1)"
-#define MIGRATE_UNLOCK "SELECT pg_catalog.pg_advisory_unlock(7650, 1)"
+/* One migrate at a time, without an advisory lock (any role that can connect may take one and
+ * hold it): each migration's transaction locks idem.idem_migrate_lock, a table that migrate makes
+ * before anything else (so on an empty database too) and only idem's owner may lock in a mode
+ * that conflicts (a role without privileges can take ACCESS SHARE at most). Every wait, for the
+ * lock or in a migration's DDL, is bounded by lock_timeout: the session's, or 60s when it has
+ * none. */
+#define MIGRATE_TIMEOUT                                                                            \
+    "SELECT pg_catalog.set_config('lock_timeout', CASE pg_catalog.current_setting('lock_timeout')" \
+    " WHEN '0' THEN '60s' ELSE pg_catalog.current_setting('lock_timeout') END, true)"
+#define MIGRATE_LOCK_TABLE "CREATE TABLE IF NOT EXISTS idem.idem_migrate_lock ()"
+#define MIGRATE_LOCK "LOCK TABLE idem.idem_migrate_lock IN EXCLUSIVE MODE"
+/* Two runs making schema idem or the tables at once on an empty database: the second fails on the
+ * catalog's unique index when the first commits, and finds them on its next try. */
+#define BOOTSTRAP_TRIES 3
 /* The migrations run with a search_path of their own, pg_catalog first and no schema another role
  * can create objects in: a function or operator planted in public (or any schema on the caller's
  * path) cannot run inside them, whoever runs `idem migrate`. */
@@ -211,31 +223,59 @@ static int pin_path(PGconn *conn, legacy_t *legacy, idem_error_t *err)
     return rc;
 }
 
+/* Opens a transaction holding the migration lock, its waits bounded (MIGRATE_TIMEOUT). */
+static int begin_locked(PGconn *conn, idem_error_t *err)
+{
+    int rc = idemp_pgconn_exec(conn, "BEGIN", 0, NULL, NULL, err);
+    if (rc == IDEM_OK)
+        rc = idemp_pgconn_exec(conn, MIGRATE_TIMEOUT, 0, NULL, NULL, err);
+    if (rc == IDEM_OK) {
+        idem_error_t e = {0};
+        rc = idemp_pgconn_exec(conn, MIGRATE_LOCK, 0, NULL, NULL, &e);
+        if (rc != IDEM_OK && err != NULL && err->code == 0) {
+            *err = e;
+            snprintf(err->text, sizeof err->text,
+                     "waiting for another idem migrate (idem.idem_migrate_lock): %.440s", e.text);
+        }
+    }
+    return rc;
+}
+
 /* Applies one migration in a transaction of its own: nothing of a file that fails stays. legacy
  * (non-NULL): the schema of an older idem's objects, for the migration that moves them
- * (idem.legacy_schema); the record of what is applied is then that schema's, moved by it. */
+ * (idem.legacy_schema); the record of what is applied is then that schema's, moved by it. Whether
+ * the file is applied is read under the migration lock: a run that waited for another finds what
+ * that one applied (or moved). */
 static int apply_one(PGconn *conn, const char *dir, const char *name, const char *legacy,
                      bool *applied, idem_error_t *err)
 {
     const char *p[] = {name};
-    idemp_rows_t *res;
+    idemp_rows_t *res = NULL;
     *applied = false;
-    if (legacy == NULL) {
-        int rc = idemp_pgconn_exec(conn, MIGRATE_APPLIED, 1, p, &res, err);
-        if (rc != IDEM_OK)
-            return rc;
-        bool done = idemp_rows_count(res) > 0;
-        idemp_rows_free(res);
-        if (done)
-            return IDEM_OK;
-    }
-
     char path[PATH_MAX + 256];
     snprintf(path, sizeof path, "%s/%s", dir, name);
     char *sql = slurp(path);
     if (sql == NULL)
         return idem_error_set(err, IDEM_ERR_IO, "cannot read %s", path);
-    int rc = idemp_pgconn_exec(conn, "BEGIN", 0, NULL, NULL, err);
+    int rc = begin_locked(conn, err);
+    if (rc == IDEM_OK && legacy != NULL) {
+        rc = idemp_pgconn_exec(conn, STATUS_HAVE_IDEM, 0, NULL, &res, err);
+        if (rc == IDEM_OK && idemp_rows_count(res) == 1 && idemp_rows_get(res, 0, 0)[0] == 't')
+            legacy = NULL; /* moved by another run meanwhile */
+        idemp_rows_free(res);
+        res = NULL;
+    }
+    bool done = false;
+    if (rc == IDEM_OK && legacy == NULL) {
+        rc = idemp_pgconn_exec(conn, MIGRATE_APPLIED, 1, p, &res, err);
+        done = rc == IDEM_OK && idemp_rows_count(res) > 0;
+        idemp_rows_free(res);
+    }
+    if (rc == IDEM_OK && done) {
+        rc = idemp_pgconn_exec(conn, "COMMIT", 0, NULL, NULL, err);
+        free(sql);
+        return rc;
+    }
     if (rc == IDEM_OK && legacy != NULL) {
         const char *lp[] = {legacy};
         rc = idemp_pgconn_exec(conn, MIGRATE_LEGACY_MARK, 1, lp, NULL, err);
@@ -260,9 +300,13 @@ static int apply_one(PGconn *conn, const char *dir, const char *name, const char
 /* Schema idem and its record of applied migrations; a schema idem that another role made before
  * idem did is refused (its owner could plant objects on idem's search_path). With legacy, the
  * record is the older idem's, which the move migration brings along. */
-static int bootstrap(PGconn *conn, bool legacy, idem_error_t *err)
+static int bootstrap_once(PGconn *conn, bool legacy, idem_error_t *err)
 {
-    int rc = idemp_pgconn_exec(conn, MIGRATE_SCHEMA, 0, NULL, NULL, err);
+    int rc = idemp_pgconn_exec(conn, "BEGIN", 0, NULL, NULL, err);
+    if (rc == IDEM_OK)
+        rc = idemp_pgconn_exec(conn, MIGRATE_TIMEOUT, 0, NULL, NULL, err);
+    if (rc == IDEM_OK)
+        rc = idemp_pgconn_exec(conn, MIGRATE_SCHEMA, 0, NULL, NULL, err);
     idemp_rows_t *res = NULL;
     if (rc == IDEM_OK)
         rc = idemp_pgconn_exec(conn, MIGRATE_SQUATTED, 0, NULL, &res, err);
@@ -272,9 +316,37 @@ static int bootstrap(PGconn *conn, bool legacy, idem_error_t *err)
                             "drop it, or run idem migrate as that role",
                             idemp_rows_get(res, 0, 0));
     idemp_rows_free(res);
+    if (rc == IDEM_OK)
+        rc = idemp_pgconn_exec(conn, MIGRATE_LOCK_TABLE, 0, NULL, NULL, err);
+    if (rc == IDEM_OK)
+        rc = idemp_pgconn_exec(conn, MIGRATE_LOCK, 0, NULL, NULL, err);
     if (rc == IDEM_OK && !legacy)
         rc = idemp_pgconn_exec(conn, MIGRATE_BOOTSTRAP, 0, NULL, NULL, err);
+    if (rc == IDEM_OK)
+        rc = idemp_pgconn_exec(conn, "COMMIT", 0, NULL, NULL, err);
+    if (rc != IDEM_OK && idemp_pgconn_ok(conn))
+        idemp_pgconn_exec(conn, "ROLLBACK", 0, NULL, NULL, NULL);
     return rc;
+}
+
+/* A duplicate in the catalog: another run made the schema or a table at the same time. */
+static bool made_meanwhile(const idem_error_t *e)
+{
+    return strcmp(e->sqlstate, "23505") == 0 || strcmp(e->sqlstate, "42P06") == 0 ||
+           strcmp(e->sqlstate, "42P07") == 0;
+}
+
+static int bootstrap(PGconn *conn, bool legacy, idem_error_t *err)
+{
+    for (int i = 1;; i++) {
+        idem_error_t e = {0};
+        int rc = bootstrap_once(conn, legacy, &e);
+        if (rc == IDEM_OK || i == BOOTSTRAP_TRIES || !made_meanwhile(&e)) {
+            if (rc != IDEM_OK && err != NULL && err->code == 0)
+                *err = e;
+            return rc;
+        }
+    }
 }
 
 int idem_migrate_with(PGconn *conn, const char *sql_dir, int flags, FILE *out, int *applied,
@@ -288,9 +360,7 @@ int idem_migrate_with(PGconn *conn, const char *sql_dir, int flags, FILE *out, i
     int rc = list_migrations(sql_dir, flags, dir, sizeof dir, &l, err);
     if (rc != IDEM_OK)
         return rc;
-    rc = idemp_pgconn_exec(conn, MIGRATE_LOCK, 0, NULL, NULL, err);
-    if (rc == IDEM_OK)
-        rc = pin_path(conn, &legacy, err);
+    rc = pin_path(conn, &legacy, err);
     if (rc == IDEM_OK)
         rc = bootstrap(conn, legacy.name[0] != '\0', err);
     int count = 0;
@@ -320,8 +390,6 @@ int idem_migrate_with(PGconn *conn, const char *sql_dir, int flags, FILE *out, i
     }
     if (rc == IDEM_OK && out != NULL && count == 0)
         fprintf(out, "nothing to apply: all %zu migrations already applied\n", l.n);
-    if (idemp_pgconn_ok(conn))
-        idemp_pgconn_exec(conn, MIGRATE_UNLOCK, 0, NULL, NULL, NULL);
     list_free(&l);
     if (applied != NULL)
         *applied = count;

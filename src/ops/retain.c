@@ -1,9 +1,9 @@
 /* retain.c - deletes sent outbox rows and ledger rows past their windows, in bounded batches.
  *
- * Each DELETE is its own autocommit transaction touching at most `batch` rows, so locks are
+ * Each DELETE is its own transaction touching at most `batch` rows, so locks are
  * held for one short statement and concurrent consumers/relays barely notice. Rows another
  * transaction holds are skipped (SKIP LOCKED), never waited for. Pending and failed outbox
- * rows are never candidates. A session advisory lock keeps runs from overlapping. */
+ * rows are never candidates. A lease keeps runs from overlapping (see RETAIN_TAKE). */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,15 +15,31 @@
 
 #define DAY_MS (24LL * 3600 * 1000)
 
-/* (class, key) of the single-runner lock; migrate uses (7650, 1), emit (7648, ...). */
-#define RETAIN_TRY_LOCK "SELECT pg_try_advisory_lock(7651, 1)"
-#define RETAIN_UNLOCK "SELECT pg_advisory_unlock(7651, 1)"
-/* Who holds it: any role can read pg_locks and these columns of pg_stat_activity. */
+/* The single-runner lock is the row 'retain' of idem.idem_leases (sql/016_followups_and_locks.sql),
+ * not an advisory lock, which any role that can connect could take and hold to keep retention
+ * from ever running. A run writes its backend's pid there in a short transaction of its own (its
+ * deletes are many transactions) and clears it at the end; a lease whose backend is gone (or
+ * was the previous server's) is free, so a killed run leaves nothing behind. Only idem's owner
+ * and idem_operator may write the row. The wait for the row (another run taking or clearing it
+ * at that moment) is bounded. Returns the pid written, or no row when another run holds it. */
+#define RETAIN_BEGIN "BEGIN"
+#define RETAIN_BOUND "SELECT set_config('lock_timeout', '5s', true)"
+/* A batch waits for a table lock (someone's LOCK TABLE, a migration) as long as the session's
+ * lock_timeout, or 60s when it has none; then the run fails, and the next run goes on. */
+#define RETAIN_BATCH_BOUND                                                                         \
+    "SELECT set_config('lock_timeout', CASE current_setting('lock_timeout') WHEN '0' THEN '60s' "  \
+    "ELSE current_setting('lock_timeout') END, true)"
+#define RETAIN_TAKE                                                                                \
+    "UPDATE idem.idem_leases l SET pid = pg_backend_pid(), server_start = "                        \
+    "pg_postmaster_start_time(), taken_at = now() WHERE l.name = 'retain' AND (l.pid IS NULL OR "  \
+    "l.server_start IS DISTINCT FROM pg_postmaster_start_time() OR NOT EXISTS (SELECT 1 FROM "     \
+    "pg_stat_activity a WHERE a.pid = l.pid)) RETURNING l.pid::text"
+#define RETAIN_RELEASE "UPDATE idem.idem_leases SET pid = NULL WHERE name = 'retain' AND pid = $1"
+/* Who holds it: any role can read these columns of pg_stat_activity. */
 #define RETAIN_HOLDER                                                                              \
     "SELECT l.pid::text, coalesce(a.usename::text, ''), coalesce(a.application_name, '')"          \
-    "  FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid"                              \
-    " WHERE l.locktype = 'advisory' AND l.classid = 7651 AND l.objid = 1 AND l.objsubid = 2"       \
-    "   AND l.granted LIMIT 1"
+    "  FROM idem.idem_leases l LEFT JOIN pg_stat_activity a ON a.pid = l.pid"                      \
+    " WHERE l.name = 'retain' AND l.pid IS NOT NULL"
 
 /* The cutoffs are fixed once per run: rows that age past the window while the run goes on
  * wait for the next run, and the loops are bounded by what existed at the start. Ledger rows are
@@ -122,12 +138,21 @@ static int delete_loop(PGconn *conn, const char *sql, const char *cutoff, int ba
     for (;;) {
         if (stop != NULL && *stop)
             return IDEM_ERR_INTERRUPTED;
-        idemp_rows_t *res;
-        int rc = idemp_pgconn_exec(conn, sql, 2, params, &res, err);
-        if (rc != IDEM_OK)
-            return rc;
-        int64_t n = idemp_rows_affected(res);
+        idemp_rows_t *res = NULL;
+        int rc = idemp_pgconn_exec(conn, RETAIN_BEGIN, 0, NULL, NULL, err);
+        if (rc == IDEM_OK)
+            rc = idemp_pgconn_exec(conn, RETAIN_BATCH_BOUND, 0, NULL, NULL, err);
+        if (rc == IDEM_OK)
+            rc = idemp_pgconn_exec(conn, sql, 2, params, &res, err);
+        int64_t n = rc == IDEM_OK ? idemp_rows_affected(res) : 0;
         idemp_rows_free(res);
+        if (rc == IDEM_OK)
+            rc = idemp_pgconn_exec(conn, "COMMIT", 0, NULL, NULL, err);
+        if (rc != IDEM_OK) {
+            if (idemp_pgconn_ok(conn))
+                idemp_pgconn_exec(conn, "ROLLBACK", 0, NULL, NULL, NULL);
+            return rc;
+        }
         if (n > 0) {
             *deleted += n;
             (*batches)++;
@@ -148,13 +173,24 @@ int idem_retain_run(PGconn *conn, const idem_retain_config_t *cfg, idem_retain_r
     if (rc != IDEM_OK)
         return rc;
 
-    idemp_rows_t *r;
-    rc = idemp_pgconn_exec(conn, RETAIN_TRY_LOCK, 0, NULL, &r, err);
-    if (rc != IDEM_OK)
-        return rc;
-    bool locked = idemp_rows_count(r) == 1 && idemp_rows_get(r, 0, 0)[0] == 't';
+    idemp_rows_t *r = NULL;
+    char pid[16] = "";
+    rc = idemp_pgconn_exec(conn, RETAIN_BEGIN, 0, NULL, NULL, err);
+    if (rc == IDEM_OK)
+        rc = idemp_pgconn_exec(conn, RETAIN_BOUND, 0, NULL, NULL, err);
+    if (rc == IDEM_OK)
+        rc = idemp_pgconn_exec(conn, RETAIN_TAKE, 0, NULL, &r, err);
+    if (rc == IDEM_OK && idemp_rows_count(r) == 1)
+        snprintf(pid, sizeof pid, "%s", idemp_rows_get(r, 0, 0));
     idemp_rows_free(r);
-    if (!locked) {
+    if (rc == IDEM_OK)
+        rc = idemp_pgconn_exec(conn, "COMMIT", 0, NULL, NULL, err);
+    if (rc != IDEM_OK) {
+        if (idemp_pgconn_ok(conn))
+            idemp_pgconn_exec(conn, "ROLLBACK", 0, NULL, NULL, NULL);
+        return rc;
+    }
+    if (pid[0] == '\0') {
         res->skipped = true;
         /* best effort: the holder may be gone already */
         if (idemp_pgconn_exec(conn, RETAIN_HOLDER, 0, NULL, &r, NULL) == IDEM_OK) {
@@ -197,9 +233,11 @@ int idem_retain_run(PGconn *conn, const idem_retain_config_t *cfg, idem_retain_r
     }
     if (rc == IDEM_ERR_INTERRUPTED)
         idem_error_set(err, rc, "retention stopped between batches by a signal");
-    /* A lost connection has released the session lock already; otherwise release it now so a
-     * caller reusing the connection does not keep other runs out. */
-    if (idemp_pgconn_ok(conn))
-        idemp_pgconn_exec(conn, RETAIN_UNLOCK, 0, NULL, NULL, NULL);
+    /* A lost connection's backend is gone, and its lease free with it; otherwise clear it now so
+     * a caller reusing the connection does not keep other runs out. */
+    if (idemp_pgconn_ok(conn)) {
+        const char *p[] = {pid};
+        idemp_pgconn_exec(conn, RETAIN_RELEASE, 1, p, NULL, NULL);
+    }
     return rc;
 }

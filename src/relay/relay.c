@@ -285,8 +285,15 @@ static void pg_failed(idem_relay_t *r, slot_t *sl, int rc, idem_error_t *e)
              : rc == IDEM_ERR_PG_LOST ? "08006"
                                       : "XX000");
     const char *kv[] = {"server", "postgres", NULL};
-    idem_log(IDEM_LOG_WARN, LOGC, kv, "batch rolled back, nothing spent, retrying in %lld ms: %s",
-             (long long)wait, e->text);
+    if (strcmp(r->pg_failed_state, "55P03") == 0)
+        idem_log(IDEM_LOG_WARN, LOGC, kv,
+                 "batch rolled back, nothing spent, retrying in %lld ms: %s; it waited for a lock "
+                 "held by %s",
+                 (long long)wait, e->text, sl->holder[0] ? sl->holder : "a session not seen");
+    else
+        idem_log(IDEM_LOG_WARN, LOGC, kv,
+                 "batch rolled back, nothing spent, retrying in %lld ms: %s", (long long)wait,
+                 e->text);
     note_failure(r, rc, e);
 }
 
@@ -555,6 +562,7 @@ int idem_relay_run(idem_relay_t *r, idem_error_t *err)
         progress = claim_step(r) || progress;
         idemp_amqp_flush(r->amqp); /* this turn's publishes go out */
         idemp_relay_gauge_step(r);
+        idemp_relay_holder_step(r);
         idemp_relay_wake_step(r, !r->want_claim && free_all);
         idemp_relay_report(r);
         if (!progress)

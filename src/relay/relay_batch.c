@@ -255,6 +255,7 @@ int idemp_relay_settle(idem_relay_t *r, slot_t *sl, bool seam, idem_error_t *err
     idemp_pgarray_free(&why);
     sl->phase = SLOT_SETTLING;
     sl->t_settle = idemp_now_ms();
+    idemp_relay_sent(sl);
     return rc;
 }
 

@@ -227,6 +227,8 @@ int idemp_relay_claim_start(idem_relay_t *r, slot_t *sl, idem_error_t *err)
     if (rc == IDEM_OK)
         rc = idemp_pg_pipeline_send(sl->pg, err);
     sl->phase = SLOT_LOCKING; /* from here the transaction is open until commit or rollback */
+    sl->holder[0] = '\0';
+    idemp_relay_sent(sl);
     return rc;
 }
 
@@ -260,6 +262,7 @@ static int read_rows(idem_relay_t *r, slot_t *sl, idemp_rows_t *heads, idem_erro
     idemp_pgarray_free(&subs);
     idemp_pgarray_free(&seqs);
     sl->phase = SLOT_READING;
+    idemp_relay_sent(sl);
     return rc;
 }
 

@@ -58,6 +58,11 @@ typedef struct slot {
     uint64_t wakes;            /* the relay's wakes when this claim started */
     int64_t t0, t_claim, t_pub, t_settle;
     int64_t t_heard; /* last publish or confirm of this batch: its confirm timeout runs from here */
+    /* the pipeline in flight was sent at t_sent; once it has waited a while, who blocks it
+     * (relay_ops.c) is asked once, and named if it ends on a lock timeout */
+    int64_t t_sent;
+    bool probed;
+    char holder[200];
 } slot_t;
 
 /* A gauge's read (relay_ops.c): sent on its connection, answered in a later turn of the loop. */
@@ -201,6 +206,13 @@ size_t idemp_relay_unconfirmed(const idem_relay_t *r);
  * as often as they are cheap; each read is sent and its answer taken in a later turn. */
 int idemp_relay_gauges_new(idem_relay_t *r);
 void idemp_relay_gauge_step(idem_relay_t *r);
+
+/* A pipeline of sl was sent: its wait starts now. */
+void idemp_relay_sent(slot_t *sl);
+/* Asks, for each batch whose statement has waited a while, which sessions block it
+ * (pg_blocking_pids, on the control connection or a free slot's), and keeps their pids, roles and
+ * application names for the line a lock timeout logs; with no lock_timeout, logs them at once. */
+void idemp_relay_holder_step(idem_relay_t *r);
 /* For the loop's poll: the socket of the counts' read in flight goes into pfd (ctl's is polled
  * anyway), and *wait is lowered to when the next read is due. */
 void idemp_relay_gauge_wait(const idem_relay_t *r, struct pollfd *pfd, nfds_t *n, int64_t now,

@@ -43,6 +43,15 @@
     " set_config('statement_timeout', '30000', true),"                                             \
     " set_config('max_parallel_workers_per_gather', '0', true)"
 
+/* Who blocks a batch's statement: the sessions pg_blocking_pids names (holders of a conflicting
+ * lock, or requests queued before ours), with what any role may read of them. A statement that
+ * has waited half its lock_timeout (at most HOLDER_PROBE_MS) is asked about once. */
+#define HOLDER_PROBE_MS 1000
+#define SQL_HOLDERS                                                                                \
+    "SELECT a.pid::text, coalesce(a.usename::text, ''), coalesce(a.application_name, '')"          \
+    "  FROM pg_catalog.pg_stat_activity a"                                                         \
+    " WHERE a.pid = ANY (pg_catalog.pg_blocking_pids($1::integer)) ORDER BY a.pid LIMIT 4"
+
 /* After this many failed statements in a row the relay counts as paused (a single lock timeout
  * is not a pause). */
 #define PAUSED_AFTER_FAILURES 3
@@ -173,6 +182,84 @@ void idemp_relay_gauge_wait(const idem_relay_t *r, struct pollfd *pfd, nfds_t *n
                 pfd[(*n)++] = (struct pollfd){idemp_pg_socket(g->pg), POLLIN, 0};
         } else if (g->next_ms - now < *wait) {
             *wait = g->next_ms - now;
+        }
+    }
+}
+
+/* ---- who holds a lock a batch waits for ------------------------------------------------ */
+
+void idemp_relay_sent(slot_t *sl)
+{
+    sl->t_sent = idemp_now_ms();
+    sl->probed = false;
+}
+
+/* A connection free for a short statement of its own: the control connection, else a free
+ * slot's. */
+static idemp_pg_t *probe_conn(idem_relay_t *r)
+{
+    if (idemp_pg_connected(r->ctl) && !idemp_pg_pipeline_open(r->ctl) &&
+        !idemp_pg_pipeline_sent(r->ctl))
+        return r->ctl;
+    for (int k = 0; k < r->nslots; k++) {
+        idemp_pg_t *pg = r->slots[k].pg;
+        if (r->slots[k].phase == SLOT_FREE && idemp_pg_connected(pg) &&
+            !idemp_pg_pipeline_open(pg) && !idemp_pg_pipeline_sent(pg))
+            return pg;
+    }
+    return NULL;
+}
+
+/* sl's holders as "pid N (role R, application A); ...", or "" when nothing blocks it. */
+static void ask_holders(idem_relay_t *r, idemp_pg_t *pg, slot_t *sl)
+{
+    char pid[16];
+    snprintf(pid, sizeof pid, "%d", idemp_pg_backend_pid(sl->pg));
+    const char *p[] = {pid};
+    idemp_rows_t *res = NULL;
+    idem_error_t e = {0};
+    sl->holder[0] = '\0';
+    if (idemp_pg_exec(pg, SQL_HOLDERS, 1, p, &res, &e) != IDEM_OK) {
+        const char *kv[] = {"server", "postgres", NULL};
+        idem_log(IDEM_LOG_DEBUG, LOGC, kv, "holders of a lock not read: %s", e.text);
+        return;
+    }
+    size_t len = 0;
+    for (int i = 0; i < idemp_rows_count(res) && len < sizeof sl->holder; i++) {
+        const char *role = idemp_rows_get(res, i, 1), *app = idemp_rows_get(res, i, 2);
+        int w = snprintf(sl->holder + len, sizeof sl->holder - len, "%spid %s (role %.40s%s%.40s)",
+                         i > 0 ? "; " : "", idemp_rows_get(res, i, 0), role[0] ? role : "?",
+                         app[0] ? ", application " : "", app);
+        if (w < 0)
+            break;
+        len += (size_t)w;
+    }
+    idemp_rows_free(res);
+    /* a NOTIFY read along with the answer is in libpq's queue: the socket will not say so */
+    if (pg == r->ctl && idemp_pg_take_notifies(r->ctl)) {
+        idemp_relay_busy(r);
+        idemp_relay_wake(r);
+    }
+}
+
+void idemp_relay_holder_step(idem_relay_t *r)
+{
+    int64_t now = idemp_now_ms(), half = r->cfg.lock_timeout_ms / 2;
+    int64_t after = half > 0 && half < HOLDER_PROBE_MS ? half : HOLDER_PROBE_MS;
+    for (int k = 0; k < r->nslots; k++) {
+        slot_t *sl = &r->slots[k];
+        if ((sl->phase != SLOT_LOCKING && sl->phase != SLOT_READING &&
+             sl->phase != SLOT_SETTLING) ||
+            sl->probed || !idemp_pg_pipeline_sent(sl->pg) || now - sl->t_sent < after)
+            continue;
+        idemp_pg_t *pg = probe_conn(r);
+        if (pg == NULL)
+            return;
+        sl->probed = true;
+        ask_holders(r, pg, sl);
+        if (sl->holder[0] != '\0' && r->cfg.lock_timeout_ms == 0) {
+            const char *kv[] = {"server", "postgres", NULL};
+            idem_log(IDEM_LOG_WARN, LOGC, kv, "a batch waits for a lock held by %s", sl->holder);
         }
     }
 }

@@ -344,6 +344,11 @@ int idemp_pg_socket(const idemp_pg_t *pg)
     return idemp_pg_connected(pg) ? PQsocket(pg->conn) : -1;
 }
 
+int idemp_pg_backend_pid(const idemp_pg_t *pg)
+{
+    return idemp_pg_connected(pg) ? PQbackendPID(pg->conn) : 0;
+}
+
 /* ---- results and errors ------------------------------------------------------------------- */
 
 /* Sorts a failed result into query error or lost connection and fills err. */

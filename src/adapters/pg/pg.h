@@ -48,7 +48,8 @@ void idemp_pg_disconnect(idemp_pg_t *pg, const char *reason);
 bool idemp_pg_connected(const idemp_pg_t *pg);
 PGconn *idemp_pg_conn(idemp_pg_t *pg); /* borrowed; NULL when not connected */
 const char *idemp_pg_where_str(const idemp_pg_t *pg);
-int idemp_pg_socket(const idemp_pg_t *pg); /* -1 when not connected */
+int idemp_pg_socket(const idemp_pg_t *pg);      /* -1 when not connected */
+int idemp_pg_backend_pid(const idemp_pg_t *pg); /* the server process's pid; 0 when not connected */
 
 /* Runs sql with text params (NULL = SQL NULL) as a prepared statement (cached by SQL text). out
  * (optional) receives the rows on success. Returns IDEM_OK, IDEM_ERR_PG_QUERY (err->sqlstate
@@ -135,7 +136,7 @@ int idemp_pgconn_script(PGconn *conn, const char *sql, const char *what, idem_er
 
 /* The latest of idem's migrations (sql/) this binary needs; a migration that changes what the
  * code relies on updates it. */
-#define IDEMP_SCHEMA_NEEDS "015_ledger_digest.sql"
+#define IDEMP_SCHEMA_NEEDS "016_followups_and_locks.sql"
 /* The database has IDEMP_SCHEMA_NEEDS and each of extra (NULL-terminated, may be NULL: e.g.
  * "billing/001_billing.sql") applied. IDEM_ERR_NOT_FOUND: one line naming `idem migrate` (with
  * --billing for the billing ones); IDEM_ERR_REFUSED: the role may not read the record. */
