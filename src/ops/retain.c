@@ -52,10 +52,18 @@
     "(now() - ($2::bigint + " LEDGER_SKEW_MS ") * interval '1 millisecond')::text, "               \
     "(now() - $3::bigint * interval '1 millisecond')::text"
 
+/* Each sent row is replaced by its key in the record of emitted keys, in the same statement: the
+ * key must outlive the row (--keys-keep), and idem_emit writes it nowhere else
+ * (sql/018_emitted_keys_at_retention.sql). The statement's one value is the rows deleted. */
 #define RETAIN_OUTBOX                                                                              \
-    "DELETE FROM idem.event_outbox WHERE status = 'sent' AND outbox_id IN ("                       \
+    "WITH d AS (DELETE FROM idem.event_outbox WHERE status = 'sent' AND outbox_id IN ("            \
     "SELECT outbox_id FROM idem.event_outbox WHERE status = 'sent' AND sent_at < $1::timestamptz " \
-    "ORDER BY sent_at LIMIT $2::int FOR UPDATE SKIP LOCKED)"
+    "ORDER BY sent_at LIMIT $2::int FOR UPDATE SKIP LOCKED)"                                       \
+    " RETURNING event_id, event_type, subscription_id, created_at),"                               \
+    " k AS (INSERT INTO idem.idem_emitted_keys (event_id, event_type, subscription_id,"            \
+    " first_emitted_at) SELECT event_id, event_type, subscription_id, created_at FROM d"           \
+    " ON CONFLICT (event_id) DO NOTHING)"                                                          \
+    " SELECT count(*) FROM d"
 
 /* ctid: a TID scan over exactly the rows the subquery locked, no second index lookup. */
 #define RETAIN_LEDGER                                                                              \
@@ -144,7 +152,10 @@ static int delete_loop(PGconn *conn, const char *sql, const char *cutoff, int ba
             rc = idemp_pgconn_exec(conn, RETAIN_BATCH_BOUND, 0, NULL, NULL, err);
         if (rc == IDEM_OK)
             rc = idemp_pgconn_exec(conn, sql, 2, params, &res, err);
-        int64_t n = rc == IDEM_OK ? idemp_rows_affected(res) : 0;
+        /* a statement that returns a row says how many it deleted (RETAIN_OUTBOX) */
+        int64_t n = rc != IDEM_OK                ? 0
+                    : idemp_rows_count(res) == 1 ? strtoll(idemp_rows_get(res, 0, 0), NULL, 10)
+                                                 : idemp_rows_affected(res);
         idemp_rows_free(res);
         if (rc == IDEM_OK)
             rc = idemp_pgconn_exec(conn, "COMMIT", 0, NULL, NULL, err);

@@ -136,7 +136,7 @@ int idemp_pgconn_script(PGconn *conn, const char *sql, const char *what, idem_er
 
 /* The latest of idem's migrations (sql/) this binary needs; a migration that changes what the
  * code relies on updates it. */
-#define IDEMP_SCHEMA_NEEDS "016_followups_and_locks.sql"
+#define IDEMP_SCHEMA_NEEDS "018_emitted_keys_at_retention.sql"
 /* The database has IDEMP_SCHEMA_NEEDS and each of extra (NULL-terminated, may be NULL: e.g.
  * "billing/001_billing.sql") applied. IDEM_ERR_NOT_FOUND: one line naming `idem migrate` (with
  * --billing for the billing ones); IDEM_ERR_REFUSED: the role may not read the record. */
