@@ -66,7 +66,8 @@ def test_reads_are_what_the_cli_prints(db, servers, broker, queue, consoles):
 
     status = c.json("/api/status")
     cli = json.loads(idem(db, servers, "status", "--json").stdout)
-    assert set(status) == set(cli) == {"event_types", "totals", "ledger"}
+    # the contract's keys (more are allowed: the CLI also explains why rows wait)
+    assert {"event_types", "totals", "ledger"} <= set(status) <= set(cli)
     strip = [{k: v for k, v in t.items() if k != "oldest_pending_seconds"}
              for t in status["event_types"]]
     assert strip == [{k: v for k, v in t.items() if k != "oldest_pending_seconds"}
