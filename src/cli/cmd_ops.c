@@ -103,10 +103,17 @@ static void print_consumers(json_t *doc)
     {
         char last[32], rows[24];
         json_t *ago = json_object_get(c, "last_applied_seconds");
-        if (json_is_number(ago))
-            snprintf(last, sizeof last, "%.1fs ago", json_number_value(ago));
-        else
+        double a = json_is_number(ago) ? json_number_value(ago) : 0;
+        if (!json_is_number(ago))
             snprintf(last, sizeof last, "never");
+        else if (a < 90)
+            snprintf(last, sizeof last, "%.1fs ago", a);
+        else if (a < 90 * 60)
+            snprintf(last, sizeof last, "%.0fm ago", a / 60);
+        else if (a < 48 * 3600)
+            snprintf(last, sizeof last, "%.1fh ago", a / 3600);
+        else
+            snprintf(last, sizeof last, "%.1fd ago", a / 86400);
         fmt_count(json_object_get(c, "ledger_rows"), rows, sizeof rows);
         const char *name = str_or(json_object_get(c, "consumer"), "-");
         json_t *queues = json_object_get(c, "queues");
