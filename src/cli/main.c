@@ -19,8 +19,7 @@ static const command_t commands[] = {
     {"consume", cmd_consume, "run an exactly-once consumer (daemon)"},
     {"relay", cmd_relay, "publish pending outbox rows with confirms (daemon, or --once)"},
     {"emit", cmd_emit, "queue one event through idem_emit in its own transaction"},
-    {"status", cmd_status,
-     "backlog health: pending, failed, consumers, queue depths, why rows wait"},
+    {"status", cmd_status, "backlog health: pending, failed, consumers, queues, why rows wait"},
     {"failed", cmd_failed, "list failed (parked) outbox rows"},
     {"replay", cmd_replay, "return failed rows to pending"},
     {"retain", cmd_retain, "delete old sent outbox rows and old ledger rows in batches"},
@@ -40,23 +39,23 @@ static void usage(FILE *f)
             IDEM_VERSION);
     for (const command_t *c = commands; c->name; c++)
         fprintf(f, "  %-9s %s\n", c->name, c->summary);
-    fprintf(f,
-            "\nglobal flags (also accepted after the command):\n"
-            "  --pg CONNINFO          PostgreSQL conninfo or URI (env IDEM_PG_URL; empty = "
-            "libpq PG* defaults)\n"
-            "  --amqp URL             RabbitMQ URL (env IDEM_AMQP_URL; default "
-            "amqp://guest:guest@127.0.0.1:5672)\n"
-            "  --exchange NAME        topic exchange (env IDEM_EXCHANGE; default "
-            "billing.events)\n"
-            "  --amqp-password-file PATH\n"
-            "                         RabbitMQ password, one line (env "
-            "IDEM_AMQP_PASSWORD_FILE; overrides the URL's)\n"
-            "  --log-level LEVEL      debug|info|warn|error (default info)\n"
-            "  --log-format FORMAT    text|json (default text)\n"
-            "\n  --version              print 'idem VERSION' and exit\n"
-            "\n'idem COMMAND --help' lists every flag of a command with its default.\n"
-            "Exit status: 0 success, 1 runtime failure, 2 usage error; status also 1 = "
-            "threshold exceeded, 3 = database unreachable, 4 = RabbitMQ unreachable (--queue).\n");
+    fprintf(f, "\nglobal flags (also accepted after the command):\n"
+               "  --pg CONNINFO          PostgreSQL conninfo or URI (env IDEM_PG_URL; empty = "
+               "libpq PG* defaults)\n"
+               "  --amqp URL             RabbitMQ URL (env IDEM_AMQP_URL; default "
+               "amqp://guest:guest@127.0.0.1:5672)\n"
+               "  --exchange NAME        topic exchange (env IDEM_EXCHANGE; default "
+               "billing.events)\n"
+               "  --amqp-password-file PATH\n"
+               "                         RabbitMQ password, one line (env "
+               "IDEM_AMQP_PASSWORD_FILE; overrides the URL's)\n"
+               "  --log-level LEVEL      debug|info|warn|error (default info)\n"
+               "  --log-format FORMAT    text|json (default text)\n"
+               "\n  --version              print 'idem VERSION' and exit\n"
+               "\n'idem COMMAND --help' lists every flag of a command with its default.\n"
+               "Exit status: 0 success, 1 runtime failure, 2 usage error; status also 1 = "
+               "threshold exceeded, 3 = database unreachable, 4 = RabbitMQ "
+               "unreachable (--queue).\n");
 }
 
 static int takes_value(const char *arg)
