@@ -1,6 +1,7 @@
 /* console.c - `idem console`: serves the operator's page and its API (console_api.c) from the
- * bounded HTTP server of metrics_http.c, and samples the backlog every few seconds for the
- * page's sparklines (kept in memory, the last HISTORY_MAX samples). */
+ * bounded HTTP server of metrics_http.c (a few requests at once), tells systemd when it listens,
+ * and samples the backlog every few seconds for the page's sparklines (kept in memory, the last
+ * HISTORY_MAX samples). */
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -12,6 +13,7 @@
 
 #include "clock.h"
 #include "console_int.h"
+#include "notify.h"
 #include "pg.h"
 
 #define HISTORY_MAX 120 /* 10 minutes at the default 5 s */
@@ -101,7 +103,8 @@ int idem_console_run(const idem_console_config_t *cfg, idem_error_t *err)
     if (fd < 0)
         return err != NULL ? err->code : IDEM_ERR_IO;
     pthread_mutex_init(&c.mu, NULL);
-    idemp_http_t *h = idemp_http_start_handler(fd, idemp_console_handle, &c, err);
+    idemp_http_t *h =
+        idemp_http_start_handler(fd, idemp_console_handle, idemp_console_quick, &c, err);
     if (h == NULL) {
         pthread_mutex_destroy(&c.mu);
         return err != NULL ? err->code : IDEM_ERR_IO;
@@ -112,6 +115,8 @@ int idem_console_run(const idem_console_config_t *cfg, idem_error_t *err)
                         port,     "actions", cfg->token ? "on" : "off (read-only: no --token-file)",
                         NULL};
     idem_log(IDEM_LOG_INFO, "console", kv, "serving the operator console");
+    if (cfg->sd_notify) /* listening: a connection from now on is answered */
+        idemp_notifyf("READY=1\nSTATUS=serving the operator console on %s port %s", addr, port);
     json_t *samples = json_array();
     PGconn *conn = NULL;
     int64_t next = 0;
@@ -123,6 +128,8 @@ int idem_console_run(const idem_console_config_t *cfg, idem_error_t *err)
         }
         idemp_sleep_ms(100, cfg->stop);
     }
+    if (cfg->sd_notify)
+        idemp_notify("STOPPING=1");
     idemp_http_stop(h);
     idemp_pgconn_close(conn);
     json_decref(samples);

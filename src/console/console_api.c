@@ -351,6 +351,15 @@ static void post_dlq(const idemp_console_t *c, const idemp_http_req_t *req, bool
             json_pack("{s:s, s:i}", "error", err.text[0] ? err.text : idem_strerror(rc), what, n));
 }
 
+bool idemp_console_quick(void *ud, const idemp_http_req_t *req)
+{
+    (void)ud;
+    const char *p = req->path;
+    /* everything under /api/ but these two asks PostgreSQL or RabbitMQ */
+    return strncmp(p, "/api/", 5) != 0 || strcmp(p, "/api/config") == 0 ||
+           strcmp(p, "/api/history") == 0;
+}
+
 void idemp_console_handle(void *ud, const idemp_http_req_t *req, idemp_http_resp_t *resp)
 {
     idemp_console_t *c = ud;

@@ -27,7 +27,10 @@ typedef struct idemp_console {
     bool failing;  /* the last sample failed (the sampler's thread only) */
 } idemp_console_t;
 
-/* The HTTP handler of the page and the API (console_api.c); runs on the server's thread. */
+/* The HTTP handler of the page and the API (console_api.c); runs on the server's worker
+ * threads, several at once, or for what idemp_console_quick says is quick (the page's files,
+ * /api/config, /api/history: nothing that asks a server) on the server's own thread. */
 void idemp_console_handle(void *ud, const idemp_http_req_t *req, idemp_http_resp_t *resp);
+bool idemp_console_quick(void *ud, const idemp_http_req_t *req);
 
 #endif

@@ -1,5 +1,9 @@
 /* metrics_http.c - the /metrics endpoint: a small HTTP/1.x server on its own thread; the console
- * serves its page and API through the same loop with a handler of its own.
+ * serves its page and API through the same loop with a handler of its own. The loop only reads
+ * and writes sockets; a handler's request that may wait on a server (a query, a requeue walking a
+ * DLQ) runs on one of HTTP_WORKERS threads, so at most that many run at once and none of them
+ * holds up the loop: other connections are read, answered and timed out meanwhile. More such
+ * requests wait for a free thread, their connections held (at most HTTP_CONNS in all).
  *
  * It answers GET and HEAD /metrics and /healthz (404 for other paths, 405 for other methods;
  * /healthz is 200 or 503 with one line, see idemp_metrics_healthz) and closes each connection after
@@ -30,6 +34,7 @@
 #define HTTP_WRITE_MS 5000
 #define HTTP_REQ_MAX 4096
 #define HTTP_IN_MAX (HTTP_REQ_MAX + IDEMP_HTTP_BODY_MAX)
+#define HTTP_WORKERS 4
 
 typedef struct conn {
     int fd; /* -1 when free */
@@ -38,6 +43,12 @@ typedef struct conn {
     size_t inlen;
     char *out; /* the whole response, written as the socket takes it */
     size_t outlen, outoff;
+    /* a request handed to a worker: busy until its answer is back (the loop leaves the
+     * connection alone meanwhile: no reads, no deadline) */
+    bool busy, head_only;
+    char head[HTTP_REQ_MAX], method[8], path[1024];
+    idemp_http_req_t req;
+    idemp_http_resp_t resp;
 } conn_t;
 
 struct idemp_http {
@@ -46,10 +57,20 @@ struct idemp_http {
     idemp_http_render_fn render;
     idemp_http_health_fn health;
     idemp_http_handler_fn handler; /* NULL: /metrics */
+    idemp_http_quick_fn quick;     /* NULL: every request of handler goes to a worker */
     void *ud;
     pthread_t thread;
     atomic_bool stop;
     conn_t conns[HTTP_CONNS];
+    /* the workers: todo holds connections waiting for one, done those answered (rings of
+     * connection numbers, under mu); a worker that finishes writes to wake */
+    pthread_t workers[HTTP_WORKERS];
+    int nworkers;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool quit; /* under mu: the workers stop */
+    int todo[HTTP_CONNS], ntodo, todo_head;
+    int done[HTTP_CONNS], ndone;
 };
 
 static void conn_close(conn_t *c)
@@ -60,6 +81,7 @@ static void conn_close(conn_t *c)
     c->fd = -1;
     c->out = NULL;
     c->inlen = c->outlen = c->outoff = 0;
+    c->busy = false;
 }
 
 /* status and its reason phrase go on the status line; the body is text (one line), or with text
@@ -174,7 +196,7 @@ static conn_t *slot(idemp_http_t *h)
         conn_t *c = &h->conns[i];
         if (c->fd < 0)
             return c;
-        if (c->out == NULL && (oldest == NULL || c->since < oldest->since))
+        if (c->out == NULL && !c->busy && (oldest == NULL || c->since < oldest->since))
             oldest = c;
     }
     if (oldest != NULL)
@@ -199,6 +221,51 @@ static void accept_all(idemp_http_t *h)
     }
 }
 
+static void send_resp(conn_t *c, idemp_http_resp_t *r, bool head);
+
+/* The workers' answers that are back: sent from here on like any other. */
+static void take_answers(idemp_http_t *h)
+{
+    char buf[64];
+    while (read(h->wake[0], buf, sizeof buf) > 0) {
+    }
+    int done[HTTP_CONNS], n;
+    pthread_mutex_lock(&h->mu);
+    n = h->ndone;
+    memcpy(done, h->done, sizeof(int) * (size_t)n);
+    h->ndone = 0;
+    pthread_mutex_unlock(&h->mu);
+    for (int k = 0; k < n; k++) {
+        conn_t *c = &h->conns[done[k]];
+        c->busy = false;
+        send_resp(c, &c->resp, c->head_only);
+    }
+}
+
+static void *worker(void *arg)
+{
+    idemp_http_t *h = arg;
+    pthread_mutex_lock(&h->mu);
+    for (;;) {
+        while (h->ntodo == 0 && !h->quit)
+            pthread_cond_wait(&h->cv, &h->mu);
+        if (h->quit)
+            break;
+        int i = h->todo[h->todo_head];
+        h->todo_head = (h->todo_head + 1) % HTTP_CONNS;
+        h->ntodo--;
+        pthread_mutex_unlock(&h->mu);
+        conn_t *c = &h->conns[i];
+        h->handler(h->ud, &c->req, &c->resp);
+        pthread_mutex_lock(&h->mu);
+        h->done[h->ndone++] = i;
+        ssize_t w = write(h->wake[1], "x", 1);
+        (void)w;
+    }
+    pthread_mutex_unlock(&h->mu);
+    return NULL;
+}
+
 static void *loop(void *arg)
 {
     idemp_http_t *h = arg;
@@ -211,6 +278,8 @@ static void *loop(void *arg)
         int map[HTTP_CONNS];
         for (int i = 0; i < HTTP_CONNS; i++) {
             conn_t *c = &h->conns[i];
+            if (c->busy)
+                continue;
             if (c->fd >= 0 && now - c->since > (c->out ? HTTP_WRITE_MS : HTTP_READ_MS))
                 conn_close(c);
             if (c->fd < 0)
@@ -220,6 +289,8 @@ static void *loop(void *arg)
         }
         if (poll(pfd, (nfds_t)n, 200) <= 0)
             continue;
+        if (pfd[1].revents & POLLIN)
+            take_answers(h);
         for (int k = 2; k < n; k++) {
             conn_t *c = &h->conns[map[k - 2]];
             if (pfd[k].revents & (POLLERR | POLLNVAL))
@@ -235,8 +306,20 @@ static void *loop(void *arg)
     return NULL;
 }
 
+static void stop_workers(idemp_http_t *h)
+{
+    pthread_mutex_lock(&h->mu);
+    h->quit = true;
+    pthread_cond_broadcast(&h->cv);
+    pthread_mutex_unlock(&h->mu);
+    for (int i = 0; i < h->nworkers; i++)
+        pthread_join(h->workers[i], NULL); /* each finishes the request in hand */
+    h->nworkers = 0;
+}
+
 static idemp_http_t *start(int listen_fd, idemp_http_render_fn render, idemp_http_health_fn health,
-                           idemp_http_handler_fn handler, void *ud, idem_error_t *err)
+                           idemp_http_handler_fn handler, idemp_http_quick_fn quick, void *ud,
+                           idem_error_t *err)
 {
     idemp_http_t *h = calloc(1, sizeof *h);
     if (h == NULL) {
@@ -247,7 +330,10 @@ static idemp_http_t *start(int listen_fd, idemp_http_render_fn render, idemp_htt
     h->render = render;
     h->health = health;
     h->handler = handler;
+    h->quick = quick;
     h->ud = ud;
+    pthread_mutex_init(&h->mu, NULL);
+    pthread_cond_init(&h->cv, NULL);
     for (int i = 0; i < HTTP_CONNS; i++)
         h->conns[i].fd = -1;
     atomic_init(&h->stop, false);
@@ -257,9 +343,17 @@ static idemp_http_t *start(int listen_fd, idemp_http_render_fn render, idemp_htt
         return NULL;
     }
     fcntl(listen_fd, F_SETFL, fcntl(listen_fd, F_GETFL) | O_NONBLOCK);
-    int rc = pthread_create(&h->thread, NULL, loop, h);
+    int rc = 0;
+    for (int i = 0; handler != NULL && i < HTTP_WORKERS && rc == 0; i++)
+        if ((rc = pthread_create(&h->workers[i], NULL, worker, h)) == 0)
+            h->nworkers++;
+    if (rc == 0)
+        rc = pthread_create(&h->thread, NULL, loop, h);
     if (rc != 0) {
         idem_error_set(err, IDEM_ERR_IO, "metrics: cannot start a thread: %s", strerror(rc));
+        stop_workers(h);
+        pthread_mutex_destroy(&h->mu);
+        pthread_cond_destroy(&h->cv);
         close(h->wake[0]);
         close(h->wake[1]);
         free(h);
@@ -271,13 +365,13 @@ static idemp_http_t *start(int listen_fd, idemp_http_render_fn render, idemp_htt
 idemp_http_t *idemp_http_start(int listen_fd, idemp_http_render_fn render,
                                idemp_http_health_fn health, void *ud, idem_error_t *err)
 {
-    return start(listen_fd, render, health, NULL, ud, err);
+    return start(listen_fd, render, health, NULL, NULL, ud, err);
 }
 
-idemp_http_t *idemp_http_start_handler(int listen_fd, idemp_http_handler_fn fn, void *ud,
-                                       idem_error_t *err)
+idemp_http_t *idemp_http_start_handler(int listen_fd, idemp_http_handler_fn fn,
+                                       idemp_http_quick_fn quick, void *ud, idem_error_t *err)
 {
-    return start(listen_fd, NULL, NULL, fn, ud, err);
+    return start(listen_fd, NULL, NULL, fn, quick, ud, err);
 }
 
 void idemp_http_stop(idemp_http_t *h)
@@ -288,8 +382,18 @@ void idemp_http_stop(idemp_http_t *h)
     ssize_t w = write(h->wake[1], "x", 1);
     (void)w;
     pthread_join(h->thread, NULL);
-    for (int i = 0; i < HTTP_CONNS; i++)
-        conn_close(&h->conns[i]);
+    stop_workers(h);
+    for (int i = 0; i < HTTP_CONNS; i++) {
+        conn_t *c = &h->conns[i];
+        bool answered = false;
+        for (int k = 0; k < h->ndone; k++)
+            answered = answered || h->done[k] == i;
+        if (answered) /* an answer nobody will send */
+            free(c->resp.body);
+        conn_close(c);
+    }
+    pthread_mutex_destroy(&h->mu);
+    pthread_cond_destroy(&h->cv);
     close(h->wake[0]);
     close(h->wake[1]);
     close(h->listen_fd);
@@ -396,7 +500,7 @@ static void serve_handler(idemp_http_t *h, conn_t *c, char *end)
         send_text(c, 431, "request header too large\n");
         return;
     }
-    char head[HTTP_REQ_MAX], method[8], path[1024], len[24];
+    char *head = c->head, *method = c->method, *path = c->path, len[24];
     memcpy(head, c->in, headlen);
     head[headlen] = '\0';
     idemp_http_req_t req = {method, path, "", head, body, 0};
@@ -422,15 +526,21 @@ static void serve_handler(idemp_http_t *h, conn_t *c, char *end)
         req.query = q + 1;
     }
     idemp_http_resp_t resp = {200, NULL, NULL, 0, NULL};
-    int64_t t0 = idemp_now_ms();
-    h->handler(h->ud, &req, &resp);
-    /* the time this answer took (an action can take seconds) does not count against the
-     * deadlines of the others, which were waiting for us */
-    int64_t took = idemp_now_ms() - t0;
-    for (int i = 0; i < HTTP_CONNS; i++)
-        if (&h->conns[i] != c && h->conns[i].fd >= 0)
-            h->conns[i].since += took;
-    send_resp(c, &resp, strcmp(method, "HEAD") == 0);
+    bool head_only = strcmp(method, "HEAD") == 0;
+    if (h->quick != NULL && h->quick(h->ud, &req)) {
+        h->handler(h->ud, &req, &resp);
+        send_resp(c, &resp, head_only);
+        return;
+    }
+    c->req = req;
+    c->resp = resp;
+    c->head_only = head_only;
+    c->busy = true;
+    pthread_mutex_lock(&h->mu);
+    h->todo[(h->todo_head + h->ntodo) % HTTP_CONNS] = (int)(c - h->conns);
+    h->ntodo++;
+    pthread_cond_signal(&h->cv);
+    pthread_mutex_unlock(&h->mu);
 }
 
 int idemp_http_listen(const char *addr, int port, const char *what, idem_error_t *err)

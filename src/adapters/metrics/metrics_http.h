@@ -38,14 +38,20 @@ typedef struct idemp_http_resp {
     const char *headers; /* more header lines, each ending in \r\n (borrowed, may be NULL) */
 } idemp_http_resp_t;
 
-/* Called on the server's thread once per complete request (head and Content-Length body). */
+/* Called once per complete request (head and Content-Length body). */
 typedef void (*idemp_http_handler_fn)(void *ud, const idemp_http_req_t *req,
                                       idemp_http_resp_t *resp);
 
+/* Is req answered at once, touching no server (a static file)? Then fn runs on the server's own
+ * thread; else on one of its worker threads (a few at once). */
+typedef bool (*idemp_http_quick_fn)(void *ud, const idemp_http_req_t *req);
+
 /* Serves every method and path through fn, with the same bounds as /metrics (connections,
- * read and write deadlines) and request bodies up to IDEMP_HTTP_BODY_MAX. */
-idemp_http_t *idemp_http_start_handler(int listen_fd, idemp_http_handler_fn fn, void *ud,
-                                       idem_error_t *err);
+ * read and write deadlines) and request bodies up to IDEMP_HTTP_BODY_MAX. fn runs on the
+ * server's worker threads (several requests at once: it must be thread-safe), or, for the
+ * requests quick (NULL: none) says are quick, on the server's thread. */
+idemp_http_t *idemp_http_start_handler(int listen_fd, idemp_http_handler_fn fn,
+                                       idemp_http_quick_fn quick, void *ud, idem_error_t *err);
 /* The value of header name (case-insensitive) in req, without surrounding blanks, copied into
  * buf; false when absent or longer than sz - 1. */
 bool idemp_http_header(const idemp_http_req_t *req, const char *name, char *buf, size_t sz);

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <libpq-fe.h>
 
@@ -180,9 +181,15 @@ static void on_notice(void *arg, const char *message)
 int idemp_pg_result_error(PGconn *conn, PGresult *res, const char *sql, idem_error_t *err);
 
 /* Keepalive defaults come before the caller's conninfo (expanded from dbname), which wins: a dead
- * peer is noticed in about a minute instead of the kernel's two hours. */
-static PGconn *open_conn(const char *conninfo, const char *where, idem_error_t *err)
+ * peer is noticed in about a minute instead of the kernel's two hours. A daemon's connections are
+ * named "idem COMPONENT pid N" unless the conninfo names them, so that an operator (and `idem
+ * status`, for the rows a relay holds) can tell which process a server session belongs to. */
+static PGconn *open_conn(const char *conninfo, const char *where, const char *component,
+                         idem_error_t *err)
 {
+    char app[64] = "idem";
+    if (component != NULL)
+        snprintf(app, sizeof app, "idem %s pid %ld", component, (long)getpid());
     /* libpq takes raw blanks and control characters inside a URI; where a password holding one
      * ends could not be told when a line shows the URI, so idem refuses them (percent-encode) */
     if (strncmp(conninfo, "postgres://", 11) == 0 || strncmp(conninfo, "postgresql://", 13) == 0)
@@ -202,7 +209,7 @@ static PGconn *open_conn(const char *conninfo, const char *where, idem_error_t *
                           "tcp_user_timeout",
                           "dbname",
                           NULL};
-    const char *vals[] = {"10", "idem", "1", "30", "10", "3", "60000", conninfo, NULL};
+    const char *vals[] = {"10", app, "1", "30", "10", "3", "60000", conninfo, NULL};
     PGconn *conn = PQconnectdbParams(keys, vals, 1);
     if (conn == NULL || PQstatus(conn) != CONNECTION_OK) {
         char why[400];
@@ -222,7 +229,7 @@ PGconn *idemp_pg_connect_once(const char *conninfo, idem_error_t *err)
 {
     char where[256];
     idemp_pg_where(conninfo ? conninfo : "", where, sizeof where);
-    return open_conn(conninfo ? conninfo : "", where, err);
+    return open_conn(conninfo ? conninfo : "", where, NULL, err);
 }
 
 void idemp_pgconn_close(PGconn *conn)
@@ -263,7 +270,7 @@ int idemp_pgconn_script(PGconn *conn, const char *sql, const char *what, idem_er
 int idemp_pg_connect(idemp_pg_t *pg, idem_error_t *err)
 {
     close_conn(pg);
-    pg->conn = open_conn(pg->conninfo, pg->where, err);
+    pg->conn = open_conn(pg->conninfo, pg->where, pg->component, err);
     if (pg->conn == NULL)
         return IDEM_ERR_PG_CONNECT;
     pg->generation++;

@@ -155,6 +155,9 @@ int idemp_amqp_get(idemp_amqp_t *a, const char *queue, int64_t max_body, idemp_m
 /* Messages ready in queue (a passive declare). IDEM_ERR_NOT_FOUND when it does not exist. */
 int idemp_amqp_queue_depth(idemp_amqp_t *a, const char *queue, uint32_t *messages,
                            idem_error_t *err);
+/* The same, with the number of consumers the broker counts on it (active or standing by). */
+int idemp_amqp_queue_info(idemp_amqp_t *a, const char *queue, uint32_t *messages,
+                          uint32_t *consumers, idem_error_t *err);
 bool idemp_msg_header_int(const idemp_msg_t *m, const char *name, int64_t *out);
 /* Was m delivered by the consumer of queue (basic.consume's tag is the queue's name)? */
 bool idemp_msg_from_queue(const idemp_msg_t *m, const char *queue);

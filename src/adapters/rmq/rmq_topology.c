@@ -187,12 +187,20 @@ int idemp_amqp_consume(idemp_amqp_t *a, const char *queue, idem_error_t *err)
 int idemp_amqp_queue_depth(idemp_amqp_t *a, const char *queue, uint32_t *messages,
                            idem_error_t *err)
 {
+    uint32_t consumers;
+    return idemp_amqp_queue_info(a, queue, messages, &consumers, err);
+}
+
+int idemp_amqp_queue_info(idemp_amqp_t *a, const char *queue, uint32_t *messages,
+                          uint32_t *consumers, idem_error_t *err)
+{
     if (!a->connected)
         return idem_error_set(err, IDEM_ERR_AMQP_LOST, "not connected to RabbitMQ at %s", a->where);
     amqp_queue_declare_ok_t *ok = amqp_queue_declare(
         a->conn, IDEMP_CHANNEL, amqp_cstring_bytes(queue), 1, 1, 0, 0, amqp_empty_table);
     if (ok != NULL) {
         *messages = ok->message_count; /* copied before the next call reuses the pool */
+        *consumers = ok->consumer_count;
         return IDEM_OK;
     }
     idem_error_t ee = {0};
