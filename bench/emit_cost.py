@@ -9,12 +9,12 @@ synchronous_commit off (the CPU cost, no flush in it), and, unless --no-durable,
 of --conns connections with durable commits (what the application sees).
 
 Variants, each one step less than the one before:
-  idem_emit        the function as migrated (SECURITY DEFINER, pinned search_path, checks,
-                   the subscription's order-lock row, the emitted-keys record, the outbox row,
-                   the idle-relay check)
-  no_idle_check    without the EXISTS on idem_relay_idle
-  no_keys          also without the emitted-keys record
-  no_lock          also without the order-lock row
+  idem_emit        the function as migrated: SECURITY DEFINER, pinned search_path, the dedup key
+                   check, then idem_emit_event (pinned search_path too)
+  emit_event       idem_emit_event called directly (the wrapper's cost is the difference)
+  no_probes        a new row returns at once: no look for an older row or key of its id, no
+                   idle-relay check
+  no_lock          also without the subscription's order-lock row
   no_checks        also without the argument checks
   plpgsql_insert   the outbox insert alone inside a plpgsql SECURITY DEFINER function with a
                    pinned search_path
@@ -50,9 +50,10 @@ def psql(sql, url):
 
 
 def emit_body():
-    """idem.idem_emit's body as the database has it now."""
-    return psql("SELECT pg_catalog.pg_get_functiondef('idem.idem_emit(text,uuid,text,jsonb,jsonb)'"
-                "::regprocedure)", URL)
+    """idem.idem_emit_event's definition (the body idem_emit and idem_emit_followup run) as the
+    database has it now."""
+    return psql("SELECT pg_catalog.pg_get_functiondef('idem.idem_emit_event(text,uuid,text,jsonb,"
+                "jsonb)'::regprocedure)", URL)
 
 
 def strip(src, start, end):
@@ -69,24 +70,25 @@ def strip(src, start, end):
 
 
 def variants():
-    full = emit_body().replace("idem.idem_emit(", f"{SCHEMA}.v(", 1)
+    full = emit_body().replace("idem.idem_emit_event(", f"{SCHEMA}.v(", 1)
     full = full.replace("CREATE OR REPLACE FUNCTION", "CREATE FUNCTION", 1)
-    steps = []
-    no_idle = re.sub(r"IF FOUND AND EXISTS \(SELECT 1 FROM idem_relay_idle\) THEN\s*"
-                     r"PERFORM pg_notify\('idem_outbox', ''\);\s*END IF;", "", full)
-    steps.append(("no_idle_check", no_idle))
-    no_keys = strip(no_idle, r"INSERT INTO idem_emitted_keys", r"RETURN v_event_id; -- a replay")
-    no_keys = no_keys.replace("    END IF;\n    INSERT INTO event_outbox", "    INSERT INTO event_outbox", 1)
-    steps.append(("no_keys", no_keys))
-    no_lock = strip(no_keys, r"v_timeout := current_setting", r"^    END IF;\s*$")
+    steps = [("emit_event", full)]
+    # the new-row branch returns at once: no look for an older row or key, no idle-relay check
+    no_probes = re.sub(r"    ELSE\n        -- a new row.*?        DELETE FROM event_outbox o WHERE o.outbox_id = v_outbox;\n",
+                       "    ELSE\n        RETURN v_event_id;\n", full, flags=re.S)
+    steps.append(("no_probes", no_probes))
+    no_lock = strip(no_probes, r"v_timeout := current_setting", r"^    END IF;\s*$")
     no_lock = strip(no_lock, r"PERFORM 1 FROM idem_emit_locks", r"^    END IF;\s*$")
     no_lock = strip(no_lock, r"IF v_timeout = '0' THEN", r"^    END IF;\s*$")
     steps.append(("no_lock", no_lock))
-    no_checks = strip(no_lock, r"IF dedup_key IS NULL OR", r"^    END IF;\s*$")
+    no_checks = no_lock
     for pat in (r"IF subscription_id IS NULL", r"IF event_type IS NULL", r"IF payload IS NULL",
                 r"IF headers IS NOT NULL"):
         no_checks = strip(no_checks, pat, r"^    END IF;\s*$")
     steps.append(("no_checks", no_checks))
+    for name, src in steps:
+        if src.count("CREATE FUNCTION") != 1 or (name != "emit_event" and src == full):
+            sys.exit(f"emit_cost: could not derive variant {name} from idem_emit_event's body")
     return steps
 
 
@@ -95,7 +97,8 @@ def setup():
          f"CREATE TABLE {SCHEMA}.plain (LIKE idem.event_outbox INCLUDING ALL);", URL)
     funcs = {}
     for name, src in variants():
-        fn = src.replace(f"{SCHEMA}.v(", f"{SCHEMA}.{name}(", 1).replace("idem_emit.", f"{name}.")
+        fn = src.replace(f"{SCHEMA}.v(", f"{SCHEMA}.{name}(", 1).replace("idem_emit_event.",
+                                                                         f"{name}.")
         psql(fn, URL)
         funcs[name] = f"{SCHEMA}.{name}"
     psql(f"""CREATE FUNCTION {SCHEMA}.plpgsql_insert(event_type text, subscription_id uuid,
@@ -123,7 +126,7 @@ def script(kind, fn, n, tag, tmp):
         stmt = (f"INSERT INTO {SCHEMA}.plain (event_id, subscription_id, event_type, payload) "
                 f"VALUES (md5('{tag}-' || $1)::uuid, {sub}, 'payment.failed', {pay})")
     else:
-        stmt = f"SELECT {fn}('payment.failed', {sub}, '{tag}-' || $1, {pay})"
+        stmt = f"SELECT {fn}('payment.failed', {sub}, '{tag}-' || $1, {pay}, NULL::jsonb)"
     out = [f"PREPARE p(bigint) AS {stmt};", "SET synchronous_commit = off;",
            "SELECT pg_backend_pid() AS pid \\gset", "\\setenv BPID :pid",
            f"\\! cut -d' ' -f1 /proc/$BPID/schedstat > {tmp}/{tag}.0"]
@@ -165,7 +168,7 @@ def pgbench(kind, fn, conns, seconds, tmp):
         body = (f"INSERT INTO {SCHEMA}.plain (event_id, subscription_id, event_type, payload) "
                 f"VALUES (md5('k-' || :id)::uuid, {SUB}, 'payment.failed', {PAYLOAD});\n")
     else:
-        body = f"SELECT {fn}('payment.failed', {SUB}, 'k-' || :id, {PAYLOAD});\n"
+        body = f"SELECT {fn}('payment.failed', {SUB}, 'k-' || :id, {PAYLOAD}, NULL::jsonb);\n"
     with open(path, "w") as f:
         f.write(head + body)
     r = subprocess.run(["pgbench", "-n", "-M", "prepared", "-c", str(conns), "-j",
@@ -189,7 +192,7 @@ def main():
     a = ap.parse_args()
     URL = os.environ.get("IDEM_PG_URL", "")
     funcs = setup()
-    order = ["idem_emit", "no_idle_check", "no_keys", "no_lock", "no_checks", "plpgsql_insert",
+    order = ["idem_emit", "emit_event", "no_probes", "no_lock", "no_checks", "plpgsql_insert",
              "plain"]
     funcs["idem_emit"] = "idem.idem_emit"
     res = {k: {"wal_records": [], "wal_bytes": [], "cpu_us": [], "tps": []} for k in order}
