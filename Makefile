@@ -28,7 +28,7 @@ endif
 CFLAGS ?= -O2 -g
 CPPFLAGS ?=
 LDFLAGS ?=
-ALL_CFLAGS = -Iinclude -Isrc -Ihandlers $(STD_CFLAGS) $(WARN) $(CPPFLAGS) $(CFLAGS) -fPIC \
+ALL_CFLAGS = -Iinclude $(SRC_INC) -Ihandlers $(STD_CFLAGS) $(WARN) $(CPPFLAGS) $(CFLAGS) -fPIC \
 	$(PKG_CFLAGS) -MMD -MP
 ifneq ($(SAN),)
 SANFLAGS = -fsanitize=$(SAN) -fno-omit-frame-pointer
@@ -37,59 +37,69 @@ LDSAN = -fsanitize=$(SAN)
 endif
 LDLIBS_ALL = $(PKG_LIBS) -lm -lpthread
 
+# src/ has a folder per layer, from the bottom: the utilities, the wire format, one folder per
+# adapter, the core (what handlers and emitters see), the runtimes, the operations, the console,
+# the commands. Files include each other by name (-I for each folder, as nginx does); which folder
+# may include which is scripts/arch.py's table, checked by `make arch`.
+SRC_DIRS := src/util src/wire src/adapters/pg src/adapters/rmq src/adapters/metrics src/core \
+	src/consumer src/relay src/ops src/console src/cli
+SRC_INC := $(addprefix -I,$(SRC_DIRS))
+
 LIB_SRCS := \
-	src/error.c \
-	src/log.c \
-	src/mask.c \
-	src/host.c \
-	src/duration.c \
-	src/backoff.c \
-	src/clock.c \
-	src/uuid.c \
-	src/fault.c \
-	src/notify.c \
-	src/pg.c \
-	src/pg_pipeline.c \
-	src/pg_where.c \
-	src/pg_async.c \
-	src/pg_array.c \
-	src/pg_schema.c \
-	src/rmq_url.c \
-	src/rmq.c \
-	src/rmq_socket.c \
-	src/rmq_topology.c \
-	src/rmq_confirm.c \
-	src/rmq_deliver.c \
-	src/rmq_publish.c \
-	src/rmq_describe.c \
-	src/envelope.c \
-	src/digest.c \
-	src/registry.c \
-	src/policy.c \
-	src/event.c \
-	src/consumer.c \
-	src/consumer_claim.c \
-	src/consumer_inbox.c \
-	src/consumer_sql.c \
-	src/consumer_topology.c \
-	src/consumer_tx.c \
-	src/consumer_window.c \
-	src/consumer_ops.c \
-	src/outbox.c \
-	src/relay.c \
-	src/relay_claim.c \
-	src/relay_wake.c \
-	src/relay_batch.c \
-	src/relay_ops.c \
-	src/migrate.c \
-	src/retain.c \
-	src/status.c \
-	src/replay.c \
-	src/dlq.c \
-	src/console.c \
-	src/console_api.c \
-	src/metrics.c \
-	src/metrics_http.c
+	src/util/error.c \
+	src/util/log.c \
+	src/util/mask.c \
+	src/util/host.c \
+	src/util/duration.c \
+	src/util/backoff.c \
+	src/util/clock.c \
+	src/util/uuid.c \
+	src/util/fault.c \
+	src/util/notify.c \
+	src/wire/envelope.c \
+	src/wire/digest.c \
+	src/adapters/pg/pg.c \
+	src/adapters/pg/pg_exec.c \
+	src/adapters/pg/pg_pipeline.c \
+	src/adapters/pg/pg_where.c \
+	src/adapters/pg/pg_async.c \
+	src/adapters/pg/pg_array.c \
+	src/adapters/pg/pg_schema.c \
+	src/adapters/rmq/rmq_url.c \
+	src/adapters/rmq/rmq.c \
+	src/adapters/rmq/rmq_socket.c \
+	src/adapters/rmq/rmq_topology.c \
+	src/adapters/rmq/rmq_confirm.c \
+	src/adapters/rmq/rmq_deliver.c \
+	src/adapters/rmq/rmq_publish.c \
+	src/adapters/rmq/rmq_describe.c \
+	src/adapters/metrics/metrics.c \
+	src/adapters/metrics/metrics_http.c \
+	src/core/registry.c \
+	src/core/policy.c \
+	src/core/event.c \
+	src/core/outbox.c \
+	src/consumer/consumer.c \
+	src/consumer/consumer_claim.c \
+	src/consumer/consumer_inbox.c \
+	src/consumer/consumer_sql.c \
+	src/consumer/consumer_topology.c \
+	src/consumer/consumer_tx.c \
+	src/consumer/consumer_window.c \
+	src/consumer/consumer_ops.c \
+	src/consumer/consumer_log.c \
+	src/relay/relay.c \
+	src/relay/relay_claim.c \
+	src/relay/relay_wake.c \
+	src/relay/relay_batch.c \
+	src/relay/relay_ops.c \
+	src/ops/migrate.c \
+	src/ops/retain.c \
+	src/ops/status.c \
+	src/ops/replay.c \
+	src/ops/dlq.c \
+	src/console/console.c \
+	src/console/console_api.c
 
 HANDLER_SRCS := \
 	handlers/billing_payload.c \
@@ -143,7 +153,7 @@ CLI_OBJS := $(CLI_SRCS:%.c=$(BUILD)/%.o)
 UNIT_BINS := $(UNIT_TESTS:%=$(BUILD)/%)
 
 .PHONY: all test test-slow check unit arch integration sanitize bench demo chaos chaos-all install \
-	valgrind format format-check clean deps FORCE
+	valgrind format format-check clean deps dev-servers dev-servers-stop FORCE
 
 all: $(BUILD)/idem $(BUILD)/libidem.a $(BUILD)/libidem.so $(BUILD)/libidem.so.$(SOMAJOR) \
 	$(BUILD)/idem-uninstalled.pc
@@ -207,7 +217,7 @@ UNIT_OBJS_test_billing_payload := $(BUILD)/handlers/billing_payload.o
 
 $(BUILD)/tests/unit/%: tests/unit/%.c $(HANDLER_OBJS) $(CLI_OBJS) $(BUILD)/libidem.a
 	@mkdir -p $(dir $@)
-	$(CC) $(ALL_CFLAGS) -Isrc/cli -Ihandlers -o $@ $< $(UNIT_OBJS_$*) $(BUILD)/libidem.a \
+	$(CC) $(ALL_CFLAGS) -o $@ $< $(UNIT_OBJS_$*) $(BUILD)/libidem.a \
 		$(LDFLAGS) $(LDSAN) $(LDLIBS_ALL) -lcmocka
 
 unit: $(UNIT_BINS)
@@ -267,6 +277,15 @@ bench: deps
 demo: deps
 	$(MAKE) all
 	/usr/bin/python3 scripts/demo.py --out $(BUILD)/demo
+
+# Private PostgreSQL and RabbitMQ for trying idem on an application of one's own: prints the
+# export lines of IDEM_PG_URL and IDEM_AMQP_URL (eval "$$(make -s dev-servers)" sets them);
+# dev-servers-stop stops them, keeping their data. See scripts/dev-servers --help.
+dev-servers: deps
+	@scripts/dev-servers start
+
+dev-servers-stop:
+	@scripts/dev-servers stop
 
 # The chaos audit: the billing scenario at scale (>= 50,000 events) under injected faults, then
 # an exactly-once, in-order audit. SEED=n replays a run's scenario and fault plan; TOPOLOGY=plain
@@ -340,8 +359,8 @@ install-kit:
 uninstall:
 	rm -f $(addprefix $(DESTDIR),$(INSTALLED))
 
-FORMAT_FILES = $(wildcard src/*.c src/*.h src/cli/*.c src/cli/*.h include/idem/*.h \
-	handlers/*.c handlers/*.h tests/unit/*.c bench/*.c bench/*.h)
+FORMAT_FILES = $(wildcard $(addsuffix /*.c,$(SRC_DIRS)) $(addsuffix /*.h,$(SRC_DIRS)) \
+	include/idem/*.h handlers/*.c handlers/*.h tests/unit/*.c bench/*.c bench/*.h)
 FORMAT_FILES += $(wildcard examples/*/*.c tests/integration/progs/*.c)
 
 format:
@@ -367,7 +386,7 @@ FUZZ_TARGETS := fuzz_envelope fuzz_billing_payload fuzz_amqp_url_mask fuzz_props
 	fuzz_digest
 FUZZ_SAN = -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 FUZZ_CFLAGS = $(STD_CFLAGS) -g -O1 $(FUZZ_SAN) \
-	-Iinclude -Isrc -Ihandlers $(PKG_CFLAGS)
+	-Iinclude $(SRC_INC) -Ihandlers $(PKG_CFLAGS)
 FUZZ_LIB_OBJS := $(LIB_SRCS:%.c=$(FUZZ_DIR)/%.o)
 FUZZ_HANDLER_OBJS := $(HANDLER_SRCS:%.c=$(FUZZ_DIR)/%.o)
 FUZZ_BINS := $(FUZZ_TARGETS:%=$(FUZZ_DIR)/%)

@@ -6,6 +6,7 @@ set -euo pipefail
 # Everything `make test`, `make test-slow`, .ci/run and `make demo` call: a minimal Debian 12 lacks
 # the last line's packages too (ps; systemd-analyze, groff and man for the deployment kit's tests).
 # chromium and python3-websocket: the console's browser tests (headless, over DevTools).
+# debhelper, dpkg-dev and lintian: the Debian packages' test builds debian/ and checks it.
 pkgs=(
   build-essential make pkg-config clang-format
   postgresql-15 postgresql rabbitmq-server
@@ -14,6 +15,7 @@ pkgs=(
   faketime pgbouncer gnuplot-nox
   procps systemd groff-base man-db
   chromium python3-websocket
+  debhelper dpkg-dev lintian
 )
 # make fuzz: libFuzzer comes with Debian's clang (not needed to build or test)
 if [ "${1:-}" = "--fuzz" ]; then

@@ -131,12 +131,18 @@ LANGUAGE sql
 SECURITY DEFINER
 SET search_path = pg_catalog, idem, pg_temp
 AS $$
+    -- each sent row is replaced by its key in the record of emitted keys, in the same statement
+    -- (sql/018_emitted_keys_at_retention.sql: idem_emit writes the key nowhere else)
     WITH d AS (
         DELETE FROM idem.event_outbox WHERE status = 'sent' AND outbox_id IN (
             SELECT outbox_id FROM idem.event_outbox
              WHERE status = 'sent' AND sent_at < LEAST(cutoff, pg_catalog.now())
              ORDER BY sent_at LIMIT GREATEST(batch, 0) FOR UPDATE SKIP LOCKED)
-        RETURNING 1)
+        RETURNING event_id, event_type, subscription_id, created_at),
+    k AS (
+        INSERT INTO idem.idem_emitted_keys (event_id, event_type, subscription_id, first_emitted_at)
+        SELECT event_id, event_type, subscription_id, created_at FROM d
+        ON CONFLICT (event_id) DO NOTHING)
     SELECT pg_catalog.count(*) FROM d
 $$;
 

@@ -4,6 +4,7 @@
 #define IDEM_CONSOLE_H
 
 #include <signal.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 #include <idem/error.h>
@@ -25,6 +26,7 @@ typedef struct idem_console_config {
     int64_t dedup_window_ms;     /* replay refuses rows older than this; 30d */
     int64_t sample_ms;           /* the backlog is sampled this often for the sparklines; 5s */
     volatile sig_atomic_t *stop; /* required: the console runs until *stop is set */
+    bool sd_notify; /* tell systemd ($NOTIFY_SOCKET) READY=1 once listening, STOPPING=1 */
 } idem_console_config_t;
 
 void idem_console_config_init(idem_console_config_t *cfg);

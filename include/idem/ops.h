@@ -26,8 +26,9 @@ extern "C" {
  * search_path is pg_catalog, idem, pg_temp while they run (nothing planted in another schema
  * runs). A database migrated by an older idem (objects and record in the first schema of the
  * connection's search_path that has them, usually public) is moved into idem first. Writes one
- * line per applied file to out (if non-NULL) and sets *applied. Safe to run concurrently
- * (advisory lock). */
+ * line per applied file to out (if non-NULL) and sets *applied. Safe to run concurrently (each
+ * migration's transaction locks idem.idem_migrate_lock; waits bounded by lock_timeout, 60s when
+ * the session has none). */
 int idem_migrate(PGconn *conn, const char *sql_dir, FILE *out, int *applied, idem_error_t *err);
 
 /* flags: the bundled billing handlers' tables too (sql_dir/billing/, schema billing), after
@@ -60,7 +61,8 @@ typedef struct idem_retain_result {
 } idem_retain_result_t;
 
 void idem_retain_config_init(idem_retain_config_t *cfg);
-/* Runs one retention pass. Another run holding the lock (advisory lock 7651, 1): res->skipped,
+/* Runs one retention pass. Another run holding the lock (the row 'retain' of idem.idem_leases,
+ * held by the backend that wrote its pid there while that backend lives): res->skipped,
  * returns 0. Stopped through cfg->stop between batches: IDEM_ERR_INTERRUPTED with the counts of
  * what was deleted so far in res. */
 /* IDEM_ERR_REFUSED when the windows break the rules without force: the dedup window must be at
@@ -70,8 +72,26 @@ int idem_retain_check(const idem_retain_config_t *cfg, idem_error_t *err);
 int idem_retain_run(PGconn *conn, const idem_retain_config_t *cfg, idem_retain_result_t *res,
                     idem_error_t *err);
 
-/* The backlog document of `idem status --json` (see the contract); new reference in *out. */
+/* The backlog document of `idem status --json` (see the contract), plus "consumers": the ledger
+ * per consumer ({consumer, ledger_rows, last_applied_at, last_applied_seconds, queues: []}); new
+ * reference in *out. */
 int idem_status_query(PGconn *conn, json_t **out, idem_error_t *err);
+/* The same, and with explain_rows >= 0 also "pending_rows": why the pending rows wait, read in the
+ * same snapshot: {by_reason: {in_flight, behind_in_flight, retrying, held, due: counts},
+ * holders: [{pid, rows, application_name, user, state, transaction_seconds}] (the backends whose
+ * open transactions lock pending rows), oldest: [the explain_rows oldest pending rows, each
+ * {event_id, event_type, subscription_id, attempts, age_seconds, reason, pid,
+ * next_attempt_in_seconds, behind_event_id, behind_attempts}]}. */
+int idem_status_query_with(PGconn *conn, int explain_rows, json_t **out, idem_error_t *err);
+/* Adds the depths of queues to doc (from idem_status_query): each "CONSUMER=QUEUE" (the text up to
+ * the first '=' names the consumer; "=QUEUE" or a name without '=' is a queue of no consumer)
+ * goes to CONSUMER's entry of doc["consumers"] (a new one when the ledger has none) as {queue,
+ * ready, consumers, dlq, dlq_ready, error}, read with passive declares (ready counts messages
+ * not delivered; the broker does not say how many are delivered and unacked over AMQP). Sets
+ * doc["rabbitmq_error"] (null when every queue was read). IDEM_ERR_AMQP_CONNECT (or another AMQP
+ * error) when RabbitMQ could not be reached or the link broke: the queues say so one by one. */
+int idem_status_queues(json_t *doc, const char *amqp_url, const char *amqp_password,
+                       const char *const *queues, int n, idem_error_t *err);
 
 /* Failed outbox rows as a JSON array of objects (event_id, outbox_id, event_type,
  * subscription_id, attempts, created_at, last_error), oldest first; new reference in *out. */

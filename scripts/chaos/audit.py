@@ -168,12 +168,17 @@ def check_revenue(exp, st):
                     "subscription)", fig)
 
 
+def receipt_id(invoice_id):
+    """invoice.paid's follow-up: key idem:<the invoice.paid's event id>:receipt."""
+    return md5_uuid("idem:" + md5_uuid(f"{invoice_id}:paid") + ":receipt")
+
+
 def check_receipts(exp, st):
     by_inv = defaultdict(list)
     for inv, sub, event_id in st["receipts"]:
         by_inv[inv].append((sub, event_id))
     bad = [i for i, inv in exp.paid.items()
-           if by_inv.get(i) != [(inv.subscription_id, md5_uuid(f"{i}:receipt"))]]
+           if by_inv.get(i) != [(inv.subscription_id, receipt_id(i))]]
     extra = [i for i in by_inv if i not in exp.paid]
     ok = not bad and not extra
     fig = (f"{len(exp.paid)} paid invoices, {len(st['receipts'])} receipts: {len(bad)} invoices "

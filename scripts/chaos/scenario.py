@@ -6,7 +6,8 @@ idem's end state with what these operations mean under the bundled billing handl
 semantics (CONTRACT.md, "Bundled billing handlers"):
   payment.failed     dunning.step += 1 (row created at step 1)
   invoice.paid       one revenue entry; dunning step to 0 if the subscription has a row (creates
-                     none); emits receipt.requested (dedup key <invoice_id>:receipt)
+                     none); emits receipt.requested (its follow-up "receipt": dedup key
+                     idem:<invoice.paid event id>:receipt)
   receipt.requested  one receipt
 """
 
@@ -168,7 +169,7 @@ class Expected:
                 else:
                     inv = op.invoice
                     self.paid[inv.invoice_id] = inv
-                    self.events[md5_uuid(f"{inv.invoice_id}:receipt")] = ("receipt.requested", sub)
+                    self.events[md5_uuid(f"idem:{op.event_id}:receipt")] = ("receipt.requested", sub)
                     if step is not None:
                         step = 0
             self.order[sub] = order

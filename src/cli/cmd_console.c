@@ -81,6 +81,7 @@ int cmd_console(int argc, char **argv, cli_global_t *g)
     cfg.pg_conninfo = g->pg;
     cfg.amqp_url = g->amqp;
     cfg.stop = &cli_stop;
+    cfg.sd_notify = true;
     cli_install_signals();
     idem_error_t err = {0};
     rc = idem_console_run(&cfg, &err);

@@ -31,6 +31,13 @@ static void print_json(json_t *doc)
     }
 }
 
+/* Prints s on one line (newlines and tabs of server messages become spaces). */
+static void put_oneline(const char *s)
+{
+    for (; s != NULL && *s; s++)
+        putchar((*s == '\n' || *s == '\r' || *s == '\t') ? ' ' : *s);
+}
+
 /* "-" for null, "12.3s" otherwise. */
 static void fmt_age(json_t *v, char *out, size_t sz)
 {
@@ -40,7 +47,15 @@ static void fmt_age(json_t *v, char *out, size_t sz)
         snprintf(out, sz, "%.1fs", json_number_value(v));
 }
 
-static void print_status_text(json_t *doc)
+#define STATUS_EXIT_RABBITMQ 4
+
+static const char *str_or(json_t *v, const char *dflt)
+{
+    const char *s = json_string_value(v);
+    return s ? s : dflt;
+}
+
+static void print_backlog(json_t *doc)
 {
     json_t *types = json_object_get(doc, "event_types");
     json_t *totals = json_object_get(doc, "totals");
@@ -66,49 +81,218 @@ static void print_status_text(json_t *doc)
            json_integer_value(json_object_get(ledger, "rows")), oldest ? oldest : "-");
 }
 
+/* "12", or "-" when v is not a number. */
+static void fmt_count(json_t *v, char *out, size_t sz)
+{
+    if (json_is_integer(v))
+        snprintf(out, sz, "%" JSON_INTEGER_FORMAT, json_integer_value(v));
+    else
+        snprintf(out, sz, "-");
+}
+
+static void print_consumers(json_t *doc)
+{
+    json_t *list = json_object_get(doc, "consumers");
+    if (json_array_size(list) == 0)
+        return;
+    printf("\n%-20s %-14s %12s  %-24s %8s %9s %8s\n", "CONSUMER", "LAST APPLIED", "LEDGER ROWS",
+           "QUEUE", "READY", "CONSUMERS", "DLQ");
+    size_t i, k;
+    json_t *c, *q;
+    json_array_foreach(list, i, c)
+    {
+        char last[32], rows[24];
+        json_t *ago = json_object_get(c, "last_applied_seconds");
+        double a = json_is_number(ago) ? json_number_value(ago) : 0;
+        if (!json_is_number(ago))
+            snprintf(last, sizeof last, "never");
+        else if (a < 90)
+            snprintf(last, sizeof last, "%.1fs ago", a);
+        else if (a < 90 * 60)
+            snprintf(last, sizeof last, "%.0fm ago", a / 60);
+        else if (a < 48 * 3600)
+            snprintf(last, sizeof last, "%.1fh ago", a / 3600);
+        else
+            snprintf(last, sizeof last, "%.1fd ago", a / 86400);
+        fmt_count(json_object_get(c, "ledger_rows"), rows, sizeof rows);
+        const char *name = str_or(json_object_get(c, "consumer"), "-");
+        json_t *queues = json_object_get(c, "queues");
+        if (json_array_size(queues) == 0)
+            printf("%-20s %-14s %12s  %-24s\n", name, last, rows, "-");
+        json_array_foreach(queues, k, q)
+        {
+            char ready[24], cons[24], dlq[24];
+            fmt_count(json_object_get(q, "ready"), ready, sizeof ready);
+            fmt_count(json_object_get(q, "consumers"), cons, sizeof cons);
+            fmt_count(json_object_get(q, "dlq_ready"), dlq, sizeof dlq);
+            printf("%-20s %-14s %12s  %-24s %8s %9s %8s", k == 0 ? name : "", k == 0 ? last : "",
+                   k == 0 ? rows : "", str_or(json_object_get(q, "queue"), "-"), ready, cons, dlq);
+            const char *e = json_string_value(json_object_get(q, "error"));
+            if (e != NULL) {
+                printf("  (");
+                put_oneline(e);
+                putchar(')');
+            }
+            putchar('\n');
+        }
+    }
+    const char *e = json_string_value(json_object_get(doc, "rabbitmq_error"));
+    if (e != NULL) {
+        printf("queues: ");
+        put_oneline(e);
+        putchar('\n');
+    }
+}
+
+/* Why one pending row waits, in words. */
+static void fmt_reason(json_t *row, char *out, size_t sz)
+{
+    const char *r = str_or(json_object_get(row, "reason"), "");
+    json_int_t pid = json_integer_value(json_object_get(row, "pid"));
+    json_int_t attempts = json_integer_value(json_object_get(row, "attempts"));
+    json_t *next = json_object_get(row, "next_attempt_in_seconds");
+    double in = json_is_number(next) ? json_number_value(next) : 0;
+    if (in < 0)
+        in = 0;
+    char who[96];
+    json_t *relay = json_object_get(row, "relay_pid");
+    if (json_is_integer(relay))
+        snprintf(who, sizeof who,
+                 "relay pid %" JSON_INTEGER_FORMAT " (server pid %" JSON_INTEGER_FORMAT ")",
+                 json_integer_value(relay), pid);
+    else
+        snprintf(who, sizeof who, "server pid %" JSON_INTEGER_FORMAT, pid);
+    if (strcmp(r, "in_flight") == 0)
+        snprintf(out, sz, "in flight on %s: its open transaction locks the row", who);
+    else if (strcmp(r, "behind_in_flight") == 0)
+        snprintf(out, sz, "behind row %s, in flight on %s",
+                 str_or(json_object_get(row, "behind_event_id"), "-"), who);
+    else if (strcmp(r, "retrying") == 0)
+        snprintf(out, sz, "waiting for retry (attempt %" JSON_INTEGER_FORMAT ", next in %.1fs)",
+                 attempts, in);
+    else if (strcmp(r, "held") == 0)
+        snprintf(out, sz,
+                 "held behind a retrying row %s (attempt %" JSON_INTEGER_FORMAT ", next in %.1fs)",
+                 str_or(json_object_get(row, "behind_event_id"), "-"),
+                 json_integer_value(json_object_get(row, "behind_attempts")), in);
+    else
+        snprintf(out, sz, "due: no relay has taken it (is a relay running?)");
+}
+
+static void print_waiting(json_t *doc)
+{
+    json_t *pr = json_object_get(doc, "pending_rows");
+    if (pr == NULL)
+        return;
+    json_t *by = json_object_get(pr, "by_reason");
+    static const char *const names[][2] = {{"in_flight", "in flight"},
+                                           {"behind_in_flight", "behind a row in flight"},
+                                           {"retrying", "waiting for retry"},
+                                           {"held", "held behind a retrying row"},
+                                           {"due", "due, not taken by any relay"}};
+    printf("\nPENDING ROWS BY REASON\n");
+    for (size_t k = 0; k < sizeof names / sizeof names[0]; k++)
+        printf("  %-30s %10" JSON_INTEGER_FORMAT "\n", names[k][1],
+               json_integer_value(json_object_get(by, names[k][0])));
+    size_t i;
+    json_t *h;
+    json_array_foreach(json_object_get(pr, "holders"), i, h)
+    {
+        json_t *secs = json_object_get(h, "transaction_seconds");
+        char open[48] = "";
+        if (json_is_number(secs))
+            snprintf(open, sizeof open, ", transaction open %.1fs", json_number_value(secs));
+        const char *app = str_or(json_object_get(h, "application_name"), "");
+        printf("  server pid %" JSON_INTEGER_FORMAT " holds %" JSON_INTEGER_FORMAT
+               " rows (application %s, user %s, %s%s)\n",
+               json_integer_value(json_object_get(h, "pid")),
+               json_integer_value(json_object_get(h, "rows")), app[0] ? app : "-",
+               str_or(json_object_get(h, "user"), "-"),
+               str_or(json_object_get(h, "state"), "state not visible"), open);
+    }
+    json_t *rows = json_object_get(pr, "oldest");
+    if (json_array_size(rows) == 0)
+        return;
+    printf("\n%-36s %-24s %10s  %s\n", "OLDEST PENDING", "EVENT TYPE", "AGE", "WHY IT WAITS");
+    json_t *row;
+    json_array_foreach(rows, i, row)
+    {
+        char age[32], why[256];
+        fmt_age(json_object_get(row, "age_seconds"), age, sizeof age);
+        fmt_reason(row, why, sizeof why);
+        printf("%-36s %-24s %10s  %s\n", str_or(json_object_get(row, "event_id"), "-"),
+               str_or(json_object_get(row, "event_type"), "-"), age, why);
+    }
+}
+
+static void print_status_text(json_t *doc)
+{
+    print_backlog(doc);
+    print_consumers(doc);
+    print_waiting(doc);
+}
+
 int cmd_status(int argc, char **argv, cli_global_t *g)
 {
     bool as_json = false;
     int64_t max_age_ms = -1;
+    int rows = 10;
+    cli_list_t queues = {0};
     const cli_opt_t opts[] = {
-        {"--json", OPT_FLAG, &as_json, NULL, NULL, "print the contract's JSON document", 0, 0},
+        {"--json", OPT_FLAG, &as_json, NULL, NULL,
+         "print the contract's JSON document (with consumers, queues and pending_rows)", 0, 0},
         {"--max-age", OPT_DURATION, &max_age_ms, "DURATION", "none",
          "exit 1 when the oldest pending row is older than this", 0, 0},
+        {"--queue", OPT_LIST, &queues, "[CONSUMER=]QUEUE", NULL,
+         "also show QUEUE's and QUEUE.dlq's depths (ready messages, consumers), on CONSUMER's "
+         "line; repeatable. RabbitMQ unreachable: said in the output, exit 4",
+         0, 0},
+        {"--rows", OPT_INT, &rows, "N", "10", "explain why the N oldest pending rows wait", 0,
+         1000},
         {0},
     };
-    int rc = cli_parse("status", "[--json] [--max-age DURATION]", argc, argv, opts, g);
+    int rc = cli_parse("status",
+                       "[--json] [--max-age DURATION] [--queue [CONSUMER=]QUEUE]... "
+                       "[--rows N]",
+                       argc, argv, opts, g);
     if (rc != 0)
         return rc == CLI_HELP_SHOWN ? CLI_EXIT_OK : rc;
+    bool failed = false;
+    char pw[512];
+    const char *amqp_password =
+        queues.n > 0 ? cli_amqp_password(g, "status", pw, sizeof pw, &failed) : NULL;
+    if (failed)
+        return CLI_EXIT_FAIL;
     PGconn *conn = cli_pg_connect("status", g, STATUS_EXIT_UNREACHABLE, &rc);
     if (conn == NULL)
         return rc;
     idem_error_t err = {0};
     json_t *doc = NULL;
-    rc = idem_status_query(conn, &doc, &err);
+    rc = idem_status_query_with(conn, rows, &doc, &err);
     idemp_pgconn_close(conn);
     if (rc != IDEM_OK)
         return fail("status", &err, STATUS_EXIT_UNREACHABLE);
+    idem_error_t aerr = {0};
+    int arc = idem_status_queues(doc, g->amqp, amqp_password, queues.items, queues.n, &aerr);
+    memset(pw, 0, sizeof pw);
     if (as_json)
         print_json(doc);
     else
         print_status_text(doc);
     int exit_code = CLI_EXIT_OK;
+    if (arc != IDEM_OK) {
+        fprintf(stderr, "idem status: %s\n", aerr.text[0] ? aerr.text : idem_strerror(arc));
+        exit_code = STATUS_EXIT_RABBITMQ;
+    }
     json_t *oldest = json_object_get(json_object_get(doc, "totals"), "oldest_pending_seconds");
     if (max_age_ms >= 0 && json_is_number(oldest) &&
         json_number_value(oldest) * 1000.0 > (double)max_age_ms) {
         fprintf(stderr, "idem status: oldest pending row is %.1fs old, over --max-age %.0fs\n",
                 json_number_value(oldest), (double)max_age_ms / 1000.0);
-        exit_code = STATUS_EXIT_THRESHOLD;
+        exit_code = STATUS_EXIT_THRESHOLD; /* the alert wins over a broker it could not read */
     }
     json_decref(doc);
     return exit_code;
-}
-
-/* Prints s on one line (newlines and tabs of server messages become spaces). */
-static void put_oneline(const char *s)
-{
-    for (; s != NULL && *s; s++)
-        putchar((*s == '\n' || *s == '\r' || *s == '\t') ? ' ' : *s);
 }
 
 int cmd_failed(int argc, char **argv, cli_global_t *g)
@@ -244,7 +428,8 @@ int cmd_retain(int argc, char **argv, cli_global_t *g)
             char line[256];
             idemp_log_escape(res.holder, line, sizeof line, true);
             fprintf(stderr,
-                    "idem retain: the retention lock (advisory lock 7651, 1) is held by %s\n",
+                    "idem retain: the retention lock (row 'retain' of idem.idem_leases) is held by "
+                    "%s\n",
                     line);
         }
         return CLI_EXIT_OK;

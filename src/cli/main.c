@@ -19,7 +19,7 @@ static const command_t commands[] = {
     {"consume", cmd_consume, "run an exactly-once consumer (daemon)"},
     {"relay", cmd_relay, "publish pending outbox rows with confirms (daemon, or --once)"},
     {"emit", cmd_emit, "queue one event through idem_emit in its own transaction"},
-    {"status", cmd_status, "backlog health: pending, oldest pending age, failed, ledger"},
+    {"status", cmd_status, "backlog health: pending, failed, consumers, queues, why rows wait"},
     {"failed", cmd_failed, "list failed (parked) outbox rows"},
     {"replay", cmd_replay, "return failed rows to pending"},
     {"retain", cmd_retain, "delete old sent outbox rows and old ledger rows in batches"},
@@ -54,7 +54,8 @@ static void usage(FILE *f)
                "\n  --version              print 'idem VERSION' and exit\n"
                "\n'idem COMMAND --help' lists every flag of a command with its default.\n"
                "Exit status: 0 success, 1 runtime failure, 2 usage error; status also 1 = "
-               "threshold exceeded, 3 = database unreachable.\n");
+               "threshold exceeded, 3 = database unreachable, 4 = RabbitMQ "
+               "unreachable (--queue).\n");
 }
 
 static int takes_value(const char *arg)

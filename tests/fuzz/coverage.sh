@@ -10,10 +10,10 @@ extra=${1:-}
 out=build/fuzz-cov
 make -s fuzz-build FUZZ_DIR=$out FUZZ_SAN="-fprofile-instr-generate -fcoverage-mapping" >/dev/null
 declare -A files=(
-  [fuzz_envelope]="src/envelope.c src/uuid.c"
-  [fuzz_billing_payload]="handlers/billing_payload.c src/uuid.c"
-  [fuzz_amqp_url_mask]="src/rmq_url.c src/mask.c"
-  [fuzz_props_envelope]="src/rmq_deliver.c src/rmq_publish.c src/envelope.c"
+  [fuzz_envelope]="src/wire/envelope.c src/util/uuid.c"
+  [fuzz_billing_payload]="handlers/billing_payload.c src/util/uuid.c"
+  [fuzz_amqp_url_mask]="src/adapters/rmq/rmq_url.c src/util/mask.c"
+  [fuzz_props_envelope]="src/adapters/rmq/rmq_deliver.c src/adapters/rmq/rmq_publish.c src/wire/envelope.c"
 )
 for t in fuzz_envelope fuzz_billing_payload fuzz_amqp_url_mask fuzz_props_envelope; do
   rm -rf "$out/replay/$t" && mkdir -p "$out/replay/$t"

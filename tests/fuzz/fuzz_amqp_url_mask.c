@@ -1,5 +1,5 @@
-/* fuzz_amqp_url_mask.c - libFuzzer target for idemp_amqp_url_parse (src/rmq_url.c) and the
- * masking of secrets in log lines (src/mask.c: idemp_mask_secrets, idemp_mask_line).
+/* fuzz_amqp_url_mask.c - libFuzzer target for idemp_amqp_url_parse (src/adapters/rmq/rmq_url.c) and the
+ * masking of secrets in log lines (src/util/mask.c: idemp_mask_secrets, idemp_mask_line).
  *
  * Input: a mode byte, an output-size byte, then the text. Mode bit 0 set: the text is used as
  * it is (a URL or a conninfo); clear: "amqp://" is put before it. Mode bit 2 set: the text is a

@@ -1,4 +1,4 @@
-/* fuzz_digest.c - libFuzzer target for the ledger's content digest (src/digest.c:
+/* fuzz_digest.c - libFuzzer target for the ledger's content digest (src/wire/digest.c:
  * idemp_digest_event), which tells a redelivery (same digest) from an id collision (another).
  *
  * Input: three fields (fuzz_common.h): event type, subscription id, payload JSON; then a byte k

@@ -1,4 +1,4 @@
-/* fuzz_envelope.c - libFuzzer target for idemp_envelope_parse (src/envelope.c).
+/* fuzz_envelope.c - libFuzzer target for idemp_envelope_parse (src/wire/envelope.c).
  *
  * Input layout (see make_seeds.py): a flags byte, a limits byte, timestamp (8 bytes LE),
  * now in ms (8 bytes LE), x-idem-seq (8 bytes LE), then length-prefixed fields message_id,

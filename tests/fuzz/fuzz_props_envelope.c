@@ -14,11 +14,11 @@
  * Checked beyond memory safety: the dead-letter properties always encode within a frame and
  * carry x-idem-error (the contract: dead-lettering never fails because of what the message
  * carries), and the headers rendered for SQL handlers are a JSON object. */
-#include "../../src/rmq_deliver.c"
+#include "../../src/adapters/rmq/rmq_deliver.c"
 /* the frame_max a broker negotiated, as rmq_publish.c asks for it: chosen per input below */
 static int fz_frame_max;
 #define amqp_get_frame_max(conn) ((void)(conn), fz_frame_max)
-#include "../../src/rmq_publish.c"
+#include "../../src/adapters/rmq/rmq_publish.c"
 #undef amqp_get_frame_max
 
 #include "envelope.h"

@@ -68,7 +68,8 @@ def wait_all_sent(db, n, timeout=20, what=None):
 
 
 def queue_args(queue):
-    """The arguments `idem consume` declares QUEUE with (src/rmq.c, src/consumer.c)."""
+    """The arguments `idem consume` declares QUEUE with (src/adapters/rmq/rmq.c,
+    src/consumer/consumer.c)."""
     return {"x-queue-type": "quorum", "x-single-active-consumer": True,
             "x-dead-letter-exchange": queue + ".dlx",
             "x-dead-letter-routing-key": queue + ".dlq"}

@@ -32,7 +32,7 @@ def test_relay_consumer_and_commands_on_a_bare_search_path(db, servers, queue, c
                          "--payload", json.dumps(body), pg_url=bare.url)
             assert r.returncode == 0, r.stderr
             ids.append(r.stdout.strip())
-        receipt = md5_uuid(f"{inv}:receipt")
+        receipt = md5_uuid(f"idem:{ids[1]}:receipt")
         wait_until(lambda: db.count("billing.receipts") == 1, 20, 0.1, "the receipt applied")
         assert db.ledger() == sorted(("billing", e) for e in ids + [receipt])
         assert db.dunning_step(sub) == 0

@@ -66,7 +66,8 @@ def test_reads_are_what_the_cli_prints(db, servers, broker, queue, consoles):
 
     status = c.json("/api/status")
     cli = json.loads(idem(db, servers, "status", "--json").stdout)
-    assert set(status) == set(cli) == {"event_types", "totals", "ledger"}
+    # the contract's keys (more are allowed: the CLI also explains why rows wait)
+    assert {"event_types", "totals", "ledger"} <= set(status) <= set(cli)
     strip = [{k: v for k, v in t.items() if k != "oldest_pending_seconds"}
              for t in status["event_types"]]
     assert strip == [{k: v for k, v in t.items() if k != "oldest_pending_seconds"}
@@ -292,8 +293,8 @@ def test_a_slow_action_does_not_cost_the_others_their_answer(db, servers, broker
     t = threading.Thread(target=requeue)
     t.start()
     time.sleep(0.3)
-    # its request comes while the requeue walks the DLQ: answered after it, not dropped at the
-    # read deadline for the time the requeue took
+    # its request comes while the requeue walks the DLQ (on one of the server's workers): it is
+    # answered, not dropped at the read deadline for the time the requeue takes
     other.sendall(b"GET /api/config HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n\r\n" % c.port)
     answer = b""
     with contextlib.suppress(OSError):

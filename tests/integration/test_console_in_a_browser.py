@@ -12,11 +12,12 @@ import time
 import pytest
 
 from browser_helpers import browser  # noqa: F401
-from conftest import new_id, payload, wait_until
+from conftest import EXCHANGE, new_id, payload, wait_until
 from console_helpers import TOKEN, consoles  # noqa: F401
 from ops_helpers import emit, relays  # noqa: F401
 from test_dlq_show_and_discard import fill_dlq
 from test_failing_handler_retried_then_dead_lettered import inject_failure, remove_failure
+from relay_helpers import relay_once
 from test_replay import park
 
 HOSTILE_TYPE = "<img src=x onerror=\"window.pwned=1\">"
@@ -105,20 +106,39 @@ def test_read_only_page_and_a_phone(db, servers, broker, queue, consoles, browse
     assert png.startswith(b"\x89PNG")
 
 
-@pytest.mark.slow  # about 35 s: a backlog grown over 8 s of samples, two screenshots
+@pytest.mark.slow  # about 35 s: failed rows parked by the relay, a backlog grown over 8 s of
+# samples, two screenshots
 def test_screenshots_of_a_real_backlog(db, servers, broker, queues, consoles, browser, tmp_path):
     out = os.environ.get("IDEM_CONSOLE_SCREENSHOTS") or str(tmp_path)
     tag = new_id()[:4]
     billing, ledger = f"billing.{tag}", f"ledger.{tag}"
     queues.names += [billing, ledger]  # deleted after the test
-    failed = []
-    for i, (t, err) in enumerate([
-            ("invoice.paid", "basic.return: 312 NO_ROUTE (no queue bound for invoice.paid)"),
-            ("payment.failed", "basic.nack: the broker refused the message (queue full)"),
-            ("receipt.requested", "publish timed out after 30s; connection lost")]):
-        eid = emit(db, t, payload())
-        park(db, eid, error=err)
-        failed.append(eid)
+    # failed rows as the relay parks them: rows the broker would not take, one attempt each
+    # (--max-attempts 1): a type no queue is bound to (returned unroutable), one whose only queue
+    # is full and refuses more (nacked), one with a header too large for an AMQP frame
+    full = f"full.{tag}"
+    queues.names.append(full)
+    with broker.channel() as ch:
+        broker.declare_exchange(ch)
+        ch.queue_declare(queue=full, durable=True,
+                         arguments={"x-max-length": 0, "x-overflow": "reject-publish"})
+        ch.queue_bind(queue=full, exchange=EXCHANGE, routing_key="invoice.paid")
+    failed = [db.scalar("SELECT idem.idem_emit(%s, gen_random_uuid(), gen_random_uuid()::text, "
+                        "%s::jsonb, %s::jsonb)::text", t, json.dumps(payload()),
+                        json.dumps(headers) if headers else None)
+              for t, headers in (("invoice.voided", None), ("invoice.paid", None),
+                                 ("payment.failed", {"trace": "t" * 200000}))]
+    for _ in range(5):
+        r = relay_once(db, servers, "--max-attempts", "1")
+        assert r.returncode == 0, r.stderr
+        if db.count("idem.event_outbox", "status = 'failed'") == len(failed):
+            break
+    parked = db.query("SELECT event_id::text, last_error FROM idem.event_outbox "
+                      "WHERE status = 'failed'")
+    assert sorted(e for e, _ in parked) == sorted(failed), parked
+    assert all(err for _, err in parked), parked
+    with broker.channel() as ch:  # the backlog that follows goes nowhere: no relay runs
+        ch.queue_unbind(queue=full, exchange=EXCHANGE, routing_key="invoice.paid")
     fill_dlq(broker, billing, [
         (new_id(), "handler_rejected", "SQLSTATE P0001: dunning: subscription is closed"),
         (new_id(), "malformed_json", "'[' or '{' expected near 'oops'"),
@@ -139,7 +159,8 @@ def test_screenshots_of_a_real_backlog(db, servers, broker, queues, consoles, br
     time.sleep(1.5)
     page = browser.page()
     page.open(con.base + "/#token=" + TOKEN, width=1280, height=900)
-    page.wait("document.querySelectorAll('#backlog tbody tr').length === 3 && "
+    # four types: the backlog's three, and invoice.voided with its failed row only
+    page.wait("document.querySelectorAll('#backlog tbody tr').length === 4 && "
               "!document.getElementById('banner').hidden", what="the backlog and its banner")
     page.wait("document.querySelectorAll('#dlqs td.id').length === 4", what="the dead letters")
     first = page.eval("document.querySelector('#dlqs td.id').textContent")
@@ -151,7 +172,7 @@ def test_screenshots_of_a_real_backlog(db, servers, broker, queues, consoles, br
     assert "old" in page.eval("document.getElementById('banner').textContent")
     desktop = page.screenshot(os.path.join(out, "console.png"))
     page.open(con.base + "/#token=" + TOKEN, width=390, height=844, mobile=True, scale=2)
-    page.wait("document.querySelectorAll('#backlog tbody tr').length === 3")
+    page.wait("document.querySelectorAll('#backlog tbody tr').length === 4")
     page.eval("window.scrollTo(0, 0)")
     phone = page.screenshot(os.path.join(out, "console-phone.png"), full=False)
     for png in (desktop, phone):

@@ -33,7 +33,7 @@ def test_emit_relay_consume_effects_once(db, servers, queue, broker, consumers, 
     body = payload(subscription_id=sub_b, invoice_id=inv, amount_cents=4200, currency="EUR")
     ip = emit(db, "invoice.paid", sub_b, f"invoice:{inv}:paid", body)
     assert emit(db, "invoice.paid", sub_b, f"invoice:{inv}:paid", body) == ip
-    receipt_id = md5_uuid(f"{inv}:receipt")
+    receipt_id = md5_uuid(f"idem:{ip}:receipt")  # its follow-up's key
     wait_until(lambda: db.count("billing.receipts") >= 1, 20, 0.1,
                lambda: f"the receipt (outbox {status_counts(db)}, ledger {db.ledger()})")
     all_ids = pf + [ip, receipt_id]
@@ -55,7 +55,7 @@ def test_emit_relay_consume_effects_once(db, servers, queue, broker, consumers, 
     assert sorted(rows) == sorted(all_ids), "one outbox row per event, replays collapsed"
     assert rows[receipt_id]["event_type"] == "receipt.requested"
     assert rows[receipt_id]["subscription_id"] == sub_b
-    assert db.scalar("SELECT md5(%s || ':receipt')::uuid::text", inv) == receipt_id
+    assert db.scalar("SELECT md5('idem:' || %s || ':receipt')::uuid::text", ip) == receipt_id
     assert db.scalar("SELECT payload FROM idem.event_outbox WHERE event_id = %s", receipt_id) == body
     assert {(v["status"], v["attempts"]) for v in rows.values()} == {("sent", 0)}
 

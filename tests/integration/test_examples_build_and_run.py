@@ -1,7 +1,8 @@
 """The library as a user gets it: `make install DESTDIR=<tmp> PREFIX=/usr/local`, then programs
 built with `cc X.c $(pkg-config --cflags --libs idem)` and nothing else.
 
-- The README's handler example (the C block under "Writing a handler") compiles and links.
+- The README's handler example (the C block under "Writing handlers") compiles and links with
+  pkg-config alone, applies a payment.failed once (also delivered twice) and exits 0 on SIGTERM.
 - examples/emitter and examples/consumer build the same way, and run against the private
   servers with the installed `idem`: the emitter queues refunds (a replayed request collapses),
   `idem relay --once` publishes them, the example consumer's own refund.issued handler applies
@@ -27,13 +28,13 @@ EXAMPLES = os.path.join(REPO, "examples")
 
 
 def readme_handler_example():
-    """The fenced C block of README.md's "Writing a handler" section."""
+    """The fenced C block of README.md's "Writing handlers" section."""
     with open(os.path.join(REPO, "README.md")) as f:
         readme = f.read()
-    m = re.search(r"^## Writing a handler\n(.*?)(?=^## )", readme, re.M | re.S)
-    assert m, 'README.md has no "## Writing a handler" section'
+    m = re.search(r"^## Writing handlers\n(.*?)(?=^## )", readme, re.M | re.S)
+    assert m, 'README.md has no "## Writing handlers" section'
     block = re.search(r"^```c\n(.*?)^```", m.group(1), re.M | re.S)
-    assert block, 'no ```c block under "Writing a handler"'
+    assert block, 'no ```c block under "Writing handlers"'
     return block.group(1)
 
 
@@ -55,6 +56,41 @@ def test_readme_handler_example_links_with_pkg_config_alone(staged, tmp_path):
     src.write_text(readme_handler_example())
     build(staged, str(src), str(tmp_path / "app"))
     assert "libidem.so.0" in needed(str(tmp_path / "app"))
+
+
+def test_readme_handler_example_applies_and_exits_0_on_sigterm(staged, tmp_path, db, servers,
+                                                              broker, request):
+    """The README's C consumer, as written: it advances dunning once for a payment.failed (also
+    when the event comes twice), and SIGTERM makes it finish and exit 0 (not 143)."""
+    src = tmp_path / "app.c"
+    src.write_text(readme_handler_example())
+    app = str(tmp_path / "app")
+    build(staged, str(src), app)
+    queue = "dunning.q"  # the example's own names
+    request.addfinalizer(lambda: [broker.delete_queue(q) for q in (queue, queue + ".dlq")])
+    c = Daemon("readme_app", [app], db, servers, str(tmp_path),
+               env={"LD_LIBRARY_PATH": staged.libdir})
+    request.addfinalizer(lambda: finish_daemons([c], request))
+    c.spawn()
+
+    def consuming():
+        if c.proc.poll() is not None:
+            raise AssertionError(f"the README's consumer exited {c.proc.returncode}:\n{c.log()}")
+        info = broker.queue_info(queue)
+        return info is not None and info[1] >= 1
+
+    wait_until(consuming, 20, 0.1, f"the README's consumer consuming from {queue}")
+    sub, event = new_id(), new_id()
+    body = {"invoice_id": new_id(), "subscription_id": sub, "amount_cents": 100,
+            "currency": "EUR"}
+    broker.publish_event("payment.failed", body, event_id=event)
+    broker.publish_event("payment.failed", body, event_id=event)
+    wait_until(lambda: db.count("idem.consumed_events", "consumer = 'dunning'") == 1, 20, 0.1,
+               "the README's handler applied the event")
+    c.signal(signal.SIGTERM)
+    assert c.wait_exit(15) == 0, c.log()
+    assert db.dunning_step(sub) == 1
+    assert broker.queue_info(queue)[0] == 0, "everything it took is acked"
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ def test_real_event_after_a_forgery_is_a_conflict_not_a_duplicate(
         db, servers, queue, broker, consumers, relay_daemons, dead_letters):
     c = consumers("billing", queue, db)  # no --trusted-publisher
     real_sub, evil_sub, inv = new_id(), new_id(), new_id()
-    receipt_id = md5_uuid(f"{inv}:receipt")
+    receipt_id = md5_uuid("idem:" + md5_uuid(f"invoice:{inv}:paid") + ":receipt")
 
     # the forgery is applied: nothing tells it apart without a trusted-publisher list
     evil = payload(subscription_id=evil_sub, invoice_id=inv, amount_cents=1)

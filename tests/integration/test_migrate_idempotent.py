@@ -13,8 +13,8 @@ import pytest
 from conftest import REPO, admin_exec, run_idem
 
 IDEM_TABLES = {"consumed_events", "event_outbox", "idem_emitted_keys", "idem_claim_guard",
-               "idem_schema_migrations", "idem_emit_locks", "idem_relay_idle",
-               "idem_consumer_roles"}
+               "idem_schema_migrations", "idem_emit_locks", "idem_relay_idle", "idem_migrate_lock",
+               "idem_leases", "idem_consumer_roles"}
 BILLING_TABLES = {"dunning", "revenue_entries", "receipts"}
 CORE = sorted(f for f in os.listdir(os.path.join(REPO, "sql")) if f.endswith(".sql"))
 BILLING = sorted("billing/" + f for f in os.listdir(os.path.join(REPO, "sql", "billing"))

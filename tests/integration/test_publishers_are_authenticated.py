@@ -80,7 +80,8 @@ def test_forgery_by_another_user_is_untrusted_and_the_real_event_applied(
     c = consumers("billing", queue, db, args=["--trusted-publisher", relay_user])
     forger = forger_url(rmq_user)
     real_sub, evil_sub, inv = new_id(), new_id(), new_id()
-    receipt_id = md5_uuid(f"{inv}:receipt")  # the id the real receipt will have
+    paid_id = md5_uuid(f"invoice:{inv}:paid")
+    receipt_id = md5_uuid(f"idem:{paid_id}:receipt")  # the id the real receipt will have
 
     # the forgery arrives first, from a user the consumer does not trust (naming itself, as
     # RabbitMQ lets it); one without any user_id is not trusted either; one claiming to be the

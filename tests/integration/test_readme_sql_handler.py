@@ -1,4 +1,4 @@
-"""The README's SQL handler example (section "Writing a handler", "In SQL") works as written.
+"""The SQL handler example of docs/handlers.md (section "In SQL") works as written.
 
 Its SQL blocks run as they stand: the schema and PL/pgSQL function (with the grants for the
 least-privilege consumer role), then the application's emit with a traceparent header. Its
@@ -22,10 +22,10 @@ TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
 def readme_sql_section():
-    with open(os.path.join(REPO, "README.md")) as f:
-        readme = f.read()
-    m = re.search(r"^### In SQL\n(.*?)(?=^### |^## )", readme, re.M | re.S)
-    assert m, 'README.md has no "### In SQL" section'
+    with open(os.path.join(REPO, "docs", "handlers.md")) as f:
+        page = f.read()
+    m = re.search(r"^## In SQL\n(.*?)(?=^## )", page, re.M | re.S)
+    assert m, 'docs/handlers.md has no "## In SQL" section'
     return m.group(1)
 
 

@@ -144,8 +144,8 @@ def test_variant_a_relay_crashing_mid_run(db, servers, queue, broker, relay_daem
     assert set(m.event_id for m in got) == set(ids)
     dups = len(got) - len(ids)
     # The crashed batch was confirmed, then republished: its rows are there twice. A relay has
-    # at most four batches in flight (src/relay_int.h, IDEMP_RELAY_INFLIGHT_DEFAULT), so at most
-    # 4 x 50 rows come twice.
+    # at most four batches in flight (src/relay/relay_int.h, IDEMP_RELAY_INFLIGHT_DEFAULT), so at
+    # most 4 x 50 rows come twice.
     assert dups >= 1, "the crash after publish should have left duplicates in the queue"
     assert dups <= 200, f"{dups} duplicates: more than four batches' worth"
     check_order(db, got, subs, ns, allow_duplicates=True)

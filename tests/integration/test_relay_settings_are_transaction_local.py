@@ -1,6 +1,6 @@
-"""The relay's settings do not leak to other clients of a pooled connection (src/relay_batch.c:
-synchronous_commit, plan_cache_mode, jit, lock_timeout and statement_timeout are set with
-set_config(..., true), local to each transaction).
+"""The relay's settings do not leak to other clients of a pooled connection
+(src/relay/relay_batch.c: synchronous_commit, plan_cache_mode, jit, lock_timeout and
+statement_timeout are set with set_config(..., true), local to each transaction).
 
 Behind a connection pooler the server connection the relay used is handed to the next client.
 A plain SET (session level) would survive there: the billing application's next client would

@@ -111,9 +111,12 @@ def test_keys_keep_deletes_only_old_keys(db, servers):
     subs = [new_id() for _ in range(3)]
     keys = [f"k{i}:{new_id()}" for i in range(3)]
     ids = [emit_h(db, TYPE, s, k, payload(subscription_id=s)) for s, k in zip(subs, keys)]
-    db.execute("UPDATE idem.event_outbox SET status = 'sent', sent_at = now() - interval '61 days'")
-    db.execute("UPDATE idem.idem_emitted_keys SET first_emitted_at = now() - CASE event_id"
+    # Keys are aged from the first emit: retention moves each deleted row's key into the record
+    # with the row's created_at.
+    db.execute("UPDATE idem.event_outbox SET status = 'sent', sent_at = now() - interval '61 days',"
+               " created_at = now() - CASE event_id"
                " WHEN %s::uuid THEN interval '59 days' ELSE interval '61 days' END", ids[2])
+    assert db.count("idem.idem_emitted_keys") == 0, "an emit writes its key in its outbox row only"
 
     r = idem(db, servers, "retain", "--keys-keep", "60d", "--batch", "1")
     assert r.returncode == 0, r.stderr
@@ -136,7 +139,9 @@ def test_keys_keep_deletes_only_old_keys(db, servers):
 def test_keys_keep_shorter_than_dedup_window_refused(db, servers, args):
     s = new_id()
     emit_h(db, TYPE, s, f"k:{new_id()}", payload(subscription_id=s))
-    db.execute("UPDATE idem.idem_emitted_keys SET first_emitted_at = now() - interval '100 days'")
+    db.execute("UPDATE idem.event_outbox SET status = 'sent', sent_at = now() - interval '100 days',"
+               " created_at = now() - interval '100 days'")
+    assert idem(db, servers, "retain", "--keys-keep", "400d").returncode == 0
     r = idem(db, servers, "retain", *args)
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     line = stderr_line(r)
@@ -179,3 +184,36 @@ def test_emit_headers_flat_strings_accepted(db):
     h = dict(db.query("SELECT event_id::text, headers FROM idem.event_outbox"))
     assert h[a] == {"traceparent": TRACEPARENT, "tracestate": "", "x-custom": "1"}
     assert h[b] is None
+
+
+@pytest.mark.parametrize("isolation", ["read committed", "repeatable read"])
+def test_replay_racing_retention_collapses(db, servers, isolation):
+    """Retention replaces a sent row by its key in one transaction, and idem_emit looks for the
+    key in both places after its insert: an emit whose snapshot is older than the retention run
+    (repeatable read) still sees the old row; a newer one (read committed) sees the key. Either
+    way the replay inserts nothing and returns the same id, and another type is still 23505.
+    Without the second look, the emit in the older snapshot would insert a new row under the old
+    id: the event published and applied a second time once its ledger row is gone."""
+    s = new_id()
+    key = f"race:{new_id()}"
+    eid = emit_h(db, TYPE, s, key, payload(subscription_id=s))
+    db.execute("UPDATE idem.event_outbox SET status = 'sent', sent_at = now() - interval '8 days'")
+    app = psycopg2.connect(db.url)
+    try:
+        with app.cursor() as cur:
+            cur.execute(f"SET TRANSACTION ISOLATION LEVEL {isolation}")
+            cur.execute("SELECT count(*) FROM idem.event_outbox")  # the snapshot is taken here
+        r = idem(db, servers, "retain")
+        assert r.returncode == 0, r.stderr
+        assert parse_retain(r.stdout, keys=True)["event_outbox"] == (1, 1), r.stdout
+        assert db.count("idem.idem_emitted_keys") == 1
+        assert emit_h(db, TYPE, s, key, payload(subscription_id=s), conn=app) == eid
+        with app.cursor() as cur:
+            cur.execute("SELECT count(*) FROM idem.event_outbox WHERE event_id = %s", (eid,))
+            visible = cur.fetchone()[0]
+        app.commit()
+        assert visible == (1 if isolation == "repeatable read" else 0), visible
+    finally:
+        app.close()
+    assert db.count("idem.event_outbox") == 0, outbox(db)
+    assert_refused(db, "23505", "invoice.paid", s, key, payload(subscription_id=s))

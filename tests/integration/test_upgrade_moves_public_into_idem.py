@@ -119,7 +119,7 @@ def test_older_install_moved_into_idem_and_working(old_db, servers, broker, queu
     relay = RelayDaemon(plain, servers, str(tmp_path), name="relay")
     try:
         relay.start(wait_ready=True)
-        receipt = md5_uuid(f"{inv}:receipt")
+        receipt = md5_uuid(f"idem:{pending[-1]}:receipt")
         wait_until(lambda: db.scalar("SELECT count(*) FROM idem.consumed_events") == 5, 30, 0.1,
                    lambda: f"the pending events and the receipt applied "
                            f"(ledger {db.ledger()})")

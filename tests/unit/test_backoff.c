@@ -1,4 +1,4 @@
-/* test_backoff.c - exponential backoff with a cap (src/backoff.c): the retry schedule of the
+/* test_backoff.c - exponential backoff with a cap (src/util/backoff.c): the retry schedule of the
  * contract (1 s doubling to 30 s) and the reconnect schedule object. */
 #include <setjmp.h>
 #include <stdarg.h>

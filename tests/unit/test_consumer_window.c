@@ -1,4 +1,4 @@
-/* test_consumer_window.c - the consumer's pure decisions (src/consumer_window.c): which
+/* test_consumer_window.c - the consumer's pure decisions (src/consumer/consumer_window.c): which
  * deliveries may be tried now without a subscription's later event overtaking an earlier one, and
  * how what is done gets acked (one multiple-ack only where nothing older is unfinished). */
 #include <setjmp.h>

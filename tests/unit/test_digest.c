@@ -1,5 +1,5 @@
-/* test_digest.c - the ledger's content digest (src/digest.c): its canonical form, pinned against
- * SHA-256 of the documented bytes, and which differences change it. */
+/* test_digest.c - the ledger's content digest (src/wire/digest.c): its canonical form, pinned
+ * against SHA-256 of the documented bytes, and which differences change it. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>

@@ -1,4 +1,4 @@
-/* test_duration.c - idem_duration_parse (src/duration.c): units, ms, missing unit, signs,
+/* test_duration.c - idem_duration_parse (src/util/duration.c): units, ms, missing unit, signs,
  * garbage, overflow. */
 #include <setjmp.h>
 #include <stdarg.h>

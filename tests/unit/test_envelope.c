@@ -1,4 +1,4 @@
-/* test_envelope.c - delivery validation (src/envelope.c): every dead-letter code it produces,
+/* test_envelope.c - delivery validation (src/wire/envelope.c): every dead-letter code it produces,
  * where the event id and type come from, UUID normalisation, subscription_id, code names. */
 #include <setjmp.h>
 #include <stdarg.h>

@@ -1,4 +1,4 @@
-/* test_error.c - status texts and the error object (src/error.c): every status has a text,
+/* test_error.c - status texts and the error object (src/util/error.c): every status has a text,
  * first error wins, NULL err, one-line text, passwords masked. */
 #include <setjmp.h>
 #include <stdarg.h>

@@ -1,5 +1,5 @@
 /* test_event.c - which statements idem_event_exec refuses as ending or beginning the claim's
- * transaction (src/event.c). */
+ * transaction (src/core/event.c). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>

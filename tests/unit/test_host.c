@@ -1,4 +1,5 @@
-/* test_host.c - which hosts are this machine's loopback (src/host.c), for the tls=off warning. */
+/* test_host.c - which hosts are this machine's loopback (src/util/host.c), for the tls=off warning.
+ */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>

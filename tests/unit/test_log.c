@@ -1,4 +1,4 @@
-/* test_log.c - log lines cannot be forged (src/log.c): in text, control characters, quotes and
+/* test_log.c - log lines cannot be forged (src/util/log.c): in text, control characters, quotes and
  * bytes that are not UTF-8 are escaped and a line stays one line; in JSON every line is valid
  * JSON that keeps msg. 1,000 random byte strings go through both formats as event types, ids and
  * messages. */

@@ -1,5 +1,5 @@
-/* test_mask.c - password masking and "host:port" for messages (src/mask.c), and the AMQP URL
- * parser (src/rmq.c) whose passwords the masking must hide. */
+/* test_mask.c - password masking and "host:port" for messages (src/util/mask.c), and the AMQP URL
+ * parser (src/adapters/rmq/rmq.c) whose passwords the masking must hide. */
 #include <ctype.h>
 #include <setjmp.h>
 #include <stdarg.h>

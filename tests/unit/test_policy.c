@@ -1,5 +1,5 @@
-/* test_policy.c - the consumer's failure policy (src/policy.c): which SQLSTATEs retry, reject or
- * pause, for a handler's statement and for COMMIT. */
+/* test_policy.c - the consumer's failure policy (src/core/policy.c): which SQLSTATEs retry, reject
+ * or pause, for a handler's statement and for COMMIT. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>

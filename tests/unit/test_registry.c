@@ -1,4 +1,4 @@
-/* test_registry.c - the event type -> handler map (src/registry.c): add, find, replace, count,
+/* test_registry.c - the event type -> handler map (src/core/registry.c): add, find, replace, count,
  * sorted order, invalid arguments. */
 #include <setjmp.h>
 #include <stdarg.h>

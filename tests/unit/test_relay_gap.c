@@ -1,5 +1,5 @@
-/* test_relay_gap.c - the relay's gap filter (src/relay_batch.c): a subscription goes out only as
- * a run of consecutive pending rows from its first one, so a row skipped by this claim (another
+/* test_relay_gap.c - the relay's gap filter (src/relay/relay_batch.c): a subscription goes out only
+ * as a run of consecutive pending rows from its first one, so a row skipped by this claim (another
  * relay held it) is never overtaken. */
 #include <setjmp.h>
 #include <stdarg.h>

@@ -1,4 +1,4 @@
-/* test_uuid.c - UUID normalisation (src/uuid.c) against what PostgreSQL 15's uuid_in accepts.
+/* test_uuid.c - UUID normalisation (src/util/uuid.c) against what PostgreSQL 15's uuid_in accepts.
  * Every case below was checked with `SELECT '<input>'::uuid` on a PostgreSQL 15 server. */
 #include <setjmp.h>
 #include <stdarg.h>
