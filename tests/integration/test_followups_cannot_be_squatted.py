@@ -137,6 +137,8 @@ def test_followups_only_for_a_claimed_parent_and_only_by_consumers(db, role):
         conn = psycopg2.connect(consumer)
         try:
             with conn, conn.cursor() as cur:
+                # as the consumer runtime does at start: the name is bound to this role
+                cur.execute("SELECT idem.idem_consumer_bind(%s)", (name,))
                 cur.execute(claim, (name, parent))
                 cur.execute(FOLLOWUP, args)
                 got.append(cur.fetchone()[0])
