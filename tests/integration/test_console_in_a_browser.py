@@ -59,6 +59,10 @@ def test_replay_requeue_and_discard_clicked_in_the_page(db, servers, broker, que
     page.wait("document.getElementById('notice').textContent.startsWith('Replayed')",
               what="the replay's notice")
     wait_until(lambda: db.dunning_step(sub_r) == 1, 30, 0.2, "the replayed event applied")
+    # the replayed row leaves the failed table at the page's next refresh, which moves the dead
+    # letters up: click once the page has drawn that, not where the button was before
+    page.wait(f"!document.querySelector('{button('replay', replay_id)}')",
+              what="the replayed row gone from the page")
 
     page.click(button("requeue", requeue_id))
     page.wait("document.getElementById('notice').textContent.startsWith('Requeued')",

@@ -25,10 +25,10 @@ N = 30
 
 def relay_backends(db, where="true"):
     """[(pid, state, wait_event_type, wait_event, query)] of the relay's backends (application_name
-    'idem') in this test's database."""
+    'idem relay pid N') in this test's database."""
     return db.query(
         "SELECT pid, state, wait_event_type, wait_event, left(query, 80) FROM pg_stat_activity"
-        " WHERE application_name = 'idem' AND datname = current_database()"
+        " WHERE application_name LIKE 'idem relay pid %%' AND datname = current_database()"
         " AND pid <> pg_backend_pid() AND " + where)
 
 
@@ -191,7 +191,7 @@ def test_failed_claim_does_not_discard_a_confirmed_batch(db, servers, queue, bro
     declare_consumer_queue(broker, queue, [TYPE])
     relay = relay_daemons(wait_ready=True)
     pids = [r[0] for r in db.query(
-        "SELECT pid FROM pg_stat_activity WHERE application_name = 'idem'"
+        "SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'idem relay pid %%'"
         " AND datname = current_database() ORDER BY backend_start, pid")]
     assert len(pids) >= 2, pids
     db.query("SELECT pg_terminate_backend(pid) FROM unnest(%s::int[]) AS pid", pids[1:])

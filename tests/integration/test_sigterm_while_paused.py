@@ -28,7 +28,7 @@ def test_sigterm_while_waiting_behind_a_lock(db, queue, consumers, broker):
         cur.execute("SELECT 1 FROM billing.dunning WHERE subscription_id = %s FOR UPDATE", (sub,))
         broker.publish_event("payment.failed", payload(subscription_id=sub))
         wait_until(lambda: db.scalar("SELECT count(*) FROM pg_stat_activity WHERE "
-                                     "application_name = 'idem' AND wait_event_type = 'Lock'"),
+                                     "application_name LIKE 'idem consumer pid %%' AND wait_event_type = 'Lock'"),
                    10, 0.05, "the consumer waiting on the lock")
         t0 = time.monotonic()
         c.signal(signal.SIGTERM)

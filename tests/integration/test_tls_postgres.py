@@ -58,7 +58,7 @@ def ssl_sessions(t, dbname):
     try:
         with conn.cursor() as cur:
             cur.execute("SELECT s.ssl FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) "
-                        "WHERE a.application_name = 'idem' AND a.datname = %s", (dbname,))
+                        "WHERE a.application_name LIKE 'idem%%' AND a.datname = %s", (dbname,))
             return [r[0] for r in cur.fetchall()]
     finally:
         conn.close()
