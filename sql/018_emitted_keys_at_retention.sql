@@ -15,6 +15,10 @@
 --   row is deleted again and the emit answers as a replay (or 23505).
 -- Keys recorded by an older idem beside rows that are still in the outbox stay where they are;
 -- the second probe finds them.
+--
+-- The relay's idle row (014) wakes a relay only while its session lives: a relay killed while
+-- idle left a row that made every emit NOTIFY (and so commit one at a time) until another relay
+-- started.
 CREATE OR REPLACE FUNCTION idem.idem_emit_event(event_type text, subscription_id uuid,
                                                 dedup_key text, payload jsonb, headers jsonb)
 RETURNS uuid
@@ -110,8 +114,11 @@ BEGIN
         END IF;
         IF NOT FOUND THEN
             -- wake a relay only if one waits for it (relay_wake.c): a NOTIFY makes PostgreSQL
-            -- commit notifying transactions one at a time; a busy relay polls
-            IF EXISTS (SELECT 1 FROM idem_relay_idle) THEN
+            -- commit notifying transactions one at a time; a busy relay polls. A row whose
+            -- session is gone (a relay killed while idle) wakes nobody and is not counted.
+            IF EXISTS (SELECT 1 FROM idem_relay_idle i
+                        WHERE EXISTS (SELECT 1 FROM pg_stat_get_activity(i.pid) a
+                                       WHERE a.pid = i.pid)) THEN
                 PERFORM pg_notify('idem_outbox', '');
             END IF;
             RETURN v_event_id;

@@ -130,6 +130,16 @@ def test_stale_idle_row_of_a_killed_relay_is_cleared(db, servers, broker, queue,
     wait_until(lambda: db.count("pg_stat_activity", "pid = %s", pid) == 0, 10, 0.05,
                "the killed relay's connection gone")
     assert idle_rows(db) == 1
+    # ... and wakes nobody: while no relay runs, emits do not NOTIFY (each NOTIFY would make
+    # the emitters' commits wait for one another)
+    listener = Listener(db)
+    try:
+        for _ in range(20):
+            emit(db, "payment.failed", new_id(), f"stale:{new_id()}", payload())
+        time.sleep(0.3)
+        assert listener.count == 0, f"{listener.count} NOTIFYs for a relay that is gone"
+    finally:
+        listener.close()
     relay_daemons(name="next", wait_ready=True)
     wait_until(lambda: db.scalar("SELECT count(*) FROM idem.idem_relay_idle WHERE pid = %s",
                                  pid) == 0, 10, 0.05, "the stale idle row deleted")
