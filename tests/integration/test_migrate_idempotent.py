@@ -194,3 +194,48 @@ def test_migrate_unreachable_database_exits_1_with_one_line(servers):
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith("idem migrate: cannot connect to PostgreSQL at 127.0.0.1:1"), lines[0]
     assert "sekret" not in r.stderr
+
+
+APP_TABLES = """
+CREATE TABLE public.receipts (id serial PRIMARY KEY, order_ref text NOT NULL, sent boolean);
+CREATE TABLE public.dunning (customer text PRIMARY KEY, level smallint, note text);
+CREATE TABLE public.revenue_entries (entry_id bigint PRIMARY KEY, cents integer, booked date);
+INSERT INTO public.receipts (order_ref, sent) VALUES ('A-1', true), ('A-2', false);
+INSERT INTO public.dunning VALUES ('acme', 2, 'call them');
+INSERT INTO public.revenue_entries VALUES (7, 1999, '2026-11-30');
+"""
+
+
+def test_migrate_leaves_the_applications_own_tables_alone(empty_db, servers):
+    """An application that already has receipts, dunning and revenue_entries tables of its own
+    (names the bundled billing handlers use too): `idem migrate --billing` creates idem's in
+    schemas idem and billing and touches nothing of the application's: same columns, same rows,
+    no trigger, index or grant added."""
+    conn = psycopg2.connect(empty_db)
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute(APP_TABLES)
+    conn.close()
+
+    def app_state():
+        cols = query(empty_db, "SELECT table_name, column_name, data_type, is_nullable FROM "
+                               "information_schema.columns WHERE table_schema = 'public' "
+                               "ORDER BY 1, 2")
+        rows = [query(empty_db, f"SELECT * FROM public.{t} ORDER BY 1")
+                for t in ("receipts", "dunning", "revenue_entries")]
+        extra = query(empty_db, """
+            SELECT c.relname, c.relkind, c.relacl::text,
+                   (SELECT count(*) FROM pg_trigger g WHERE g.tgrelid = c.oid),
+                   (SELECT count(*) FROM pg_index i WHERE i.indrelid = c.oid)
+              FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+             WHERE n.nspname = 'public' ORDER BY 1""")
+        return cols, rows, extra
+
+    before = app_state()
+    r = run_idem("migrate", "--billing", pg_url=empty_db, amqp_url=servers.amqp_url)
+    assert r.returncode == 0, r.stderr
+    assert app_state() == before
+    assert {t for (t,) in query(empty_db, "SELECT table_name FROM information_schema.tables "
+                                          "WHERE table_schema = 'billing'")} == BILLING_TABLES
+    r = run_idem("migrate", "--billing", "--status", pg_url=empty_db, amqp_url=servers.amqp_url)
+    assert r.returncode == 0, r.stdout + r.stderr
