@@ -37,7 +37,7 @@ def test_postgres_stopped_during_a_replay(db, servers, queue, consumers, relays,
             t, out = in_thread(lambda: con.post("/api/replay", {"event_id": eid}))
             wait_until(lambda: db.scalar(
                 "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND "
-                "wait_event_type = 'Lock' AND query LIKE 'UPDATE idem.event_outbox SET status = ''pending''%'")
+                "wait_event_type = 'Lock' AND query LIKE '%idem.idem_replay(%'")
                 >= 1, 15, 0.05,
                 "the replay waiting for its row")
             servers.pg_stop_immediate()
