@@ -137,11 +137,13 @@ END
 $$;
 REVOKE EXECUTE ON FUNCTION idem.idem_emit_event(text, uuid, text, jsonb, jsonb) FROM PUBLIC;
 
--- retention writes the keys of the rows it deletes
+-- Retention writes the keys of the rows it deletes through idem_retain_outbox (017), a function
+-- of idem's owner: no role but the owner inserts into the record, so nobody can plant a key that
+-- would make a future emit of it collapse into nothing.
 DO $$
 BEGIN
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'idem_operator') THEN
-        GRANT INSERT ON idem.idem_emitted_keys TO idem_operator;
+        REVOKE INSERT ON idem.idem_emitted_keys FROM idem_operator;
     END IF;
 END
 $$;
