@@ -138,9 +138,7 @@ static int delete_loop(PGconn *conn, const char *sql, const char *cutoff, int ba
         if (rc == IDEM_OK)
             rc = idemp_pgconn_exec(conn, sql, 2, params, &res, err);
         /* each function's one value: the rows it deleted */
-        int64_t n = rc != IDEM_OK                ? 0
-                    : idemp_rows_count(res) == 1 ? strtoll(idemp_rows_get(res, 0, 0), NULL, 10)
-                                                 : idemp_rows_affected(res);
+        int64_t n = rc == IDEM_OK ? strtoll(idemp_rows_get(res, 0, 0), NULL, 10) : 0;
         idemp_rows_free(res);
         if (rc == IDEM_OK)
             rc = idemp_pgconn_exec(conn, "COMMIT", 0, NULL, NULL, err);
