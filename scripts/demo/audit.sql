@@ -21,7 +21,8 @@ emits AS (  -- planned operations, and those without their outbox event
 receipt_events AS (  -- paid invoices, and those without their receipt.requested event
     SELECT count(*) AS paid,
            count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM idem.event_outbox o
-                                              WHERE o.event_id = md5(e.invoice_id || ':receipt')::uuid
+                                              WHERE o.event_id = md5('idem:' || md5(e.invoice_id || ':paid')::uuid::text
+                                                                     || ':receipt')::uuid
                                                 AND o.event_type = 'receipt.requested')) AS missing
     FROM demo.expected_paid e
 ),
