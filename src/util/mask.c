@@ -156,6 +156,26 @@ static size_t value_end(const char *in, size_t j, bool query)
     return j;
 }
 
+/* A span masked from in+from to in+end must not end inside the value of a secret keyword that
+ * starts in it: a URI's fragment inside a keyword/value conninfo (a host value that holds "://",
+ * say) can put the '@' it masks to in the middle of a password=... that libpq reads up to the
+ * next blank. Returns end, moved past every such value (a keyword after '?' or '&' is taken to
+ * its longer reading, up to the blank, since which reading libpq uses depends on the rest). */
+static size_t past_secret_values(const char *in, size_t from, size_t end)
+{
+    for (size_t k = from; k < end && in[k] != '\0'; k++) {
+        size_t v;
+        if (secret_keyword(in, k, &v) == 0)
+            continue;
+        size_t e = value_end(in, v, false), eq = value_end(in, v, true);
+        if (eq > e)
+            e = eq;
+        if (e > end)
+            end = e;
+    }
+    return end;
+}
+
 /* ---- libpq's messages that quote a piece of the conninfo ---------------------------------- */
 
 /* libpq quotes the undecodable token of a URI (a password with a '%' that is not an escape) and
@@ -223,12 +243,13 @@ void idemp_mask_secrets(const char *in, char *out, size_t outsz)
             if (kwlen != 0 && in + kw < colon) {
                 put_span(out, outsz, &o, in + i, kw + kwlen - i);
                 puts_n(out, outsz, &o, "=" MASK);
-                i = value_end(in, at, true);
+                i = past_secret_values(in, kw + kwlen, value_end(in, at, true));
             } else if (colon != NULL) {
                 put_span(out, outsz, &o, in + i, (size_t)(colon - (in + i)));
                 puts_n(out, outsz, &o, ":" MASK);
                 /* without such a keyword, the '@' and the host are copied as they are */
-                i = kwlen != 0 ? value_end(in, at, true) : at;
+                size_t from = (size_t)(colon - in) + 1;
+                i = past_secret_values(in, from, kwlen != 0 ? value_end(in, at, true) : at);
             }
             continue;
         }

@@ -100,6 +100,19 @@ static void test_conninfo_value_as_libpq_reads_it(void **state)
     expect_hidden("postgresql://db/x?password=hunter22&sslmode=require", "hunter22", false);
 }
 
+/* regress-url_inside_keyword_password: a URL-like value of a keyword/value conninfo whose '@'
+ * lies inside a later password=...: masking up to that '@' left the rest of the password (libpq
+ * reads it up to the blank) in clear */
+static void test_url_inside_a_keyword_password(void **state)
+{
+    (void)state;
+    expect_hidden("host=h options=x://u:pw password=secret@restofsecret", "restofsecret", false);
+    expect_hidden("host=h options=x://u:pw password=secret@restofsecret user=u", "restofsecret",
+                  false);
+    expect_hidden("options=x://u:pw?a=b&password=s@cret&more sslpassword=k@eyhunter22&x dbname=d",
+                  "hunter22", false);
+}
+
 /* An invalid URL is echoed in the error: no part of its password may show, whether a blank or a
  * ',' (which splits the list) cut it. */
 static void expect_error_hides(const char *urls, const char *secret)
@@ -288,6 +301,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sslpassword_masked),
+        cmocka_unit_test(test_url_inside_a_keyword_password),
         cmocka_unit_test(test_blank_in_url_password_masked),
         cmocka_unit_test(test_blank_in_pg_uri_password_masked),
         cmocka_unit_test(test_conninfo_blanks_around_equals),
