@@ -107,8 +107,9 @@ struct idem_relay {
     int pg_failures;
     bool schema_checked; /* the database is migrated to what this relay needs */
     bool want_claim;     /* rows are probably due: claim when a slot is free */
-    /* relay_wake.c: while busy (rows found or a NOTIFY lately) the relay polls every fast_poll_ms
-     * and emitters do not NOTIFY; once quiet it says it is idle (a row of idem_relay_idle) */
+    /* relay_wake.c: the relay is busy (rows found or a NOTIFY lately) until busy_until_ms; it
+     * polls every fast_poll_ms, doubling while claims find nothing (at most 4 ms while busy, up
+     * to the backstop poll after); idle_said: our row in idem_relay_idle is there. */
     int64_t busy_until_ms, fast_poll_ms;
     bool idle_said;       /* our row of idem_relay_idle is there */
     bool idle_broken;     /* the idle row cannot be written (an older schema): stay busy-less */

@@ -2,13 +2,20 @@
  *
  * A NOTIFY makes PostgreSQL commit notifying transactions one at a time (a database-wide lock
  * held through the commit's flush), so emitters notify only while some relay says it is idle:
- * idem_emit checks for a row of idem_relay_idle. A relay that found rows lately (or was just
- * notified) is busy: it deletes its idle row and polls every few milliseconds, the interval
- * doubling while claims find nothing, until it has found nothing for BUSY_MS; then it writes its
- * idle row and claims once more, and from then on waits for a NOTIFY or the backstop poll
- * (--poll-interval). An emitter that ran idem_emit before the idle row was there and commits after
- * that last claim is found by the backstop poll: a missed wake-up costs at most one poll
- * interval. Stale rows (a relay killed while idle) only make emitters notify, as before. */
+ * idem_emit checks for a row of idem_relay_idle. A relay that found rows in the last QUIET_MS (or
+ * was just notified) is busy: it deletes its idle row and polls every 1 to FAST_POLL_MAX_MS
+ * milliseconds, the interval doubling while claims find nothing. Once it has found nothing for
+ * QUIET_MS it writes its idle row and claims once more: from then on an emit notifies it, and
+ * between NOTIFYs it goes on polling, the interval still doubling up to the backstop
+ * (--poll-interval). An emitter that ran idem_emit before the idle row was there (so it did not
+ * notify) and commits after that last look is found by one of those polls: a missed wake-up costs
+ * about as long again as the emitter's transaction ran on after the relay went idle, and at most
+ * one poll interval. Stale rows (a relay killed while idle) only make emitters notify, as before.
+ *
+ * While busy, a poll costs each event at most FAST_POLL_MAX_MS of waiting; QUIET_MS is long
+ * enough that a stream of events (even a slow emitter's, an event every few tens of
+ * milliseconds) keeps the relay busy, and short enough that a relay that gets an event now and
+ * then is woken by its NOTIFY, without a quarter of a second of 4 ms polls after each event. */
 #include <stdio.h>
 #include <string.h>
 
@@ -17,9 +24,9 @@
 #include "clock.h"
 #include "relay_int.h"
 
-#define BUSY_MS 1000
+#define QUIET_MS 250
 #define FAST_POLL_MIN_MS 1
-#define FAST_POLL_MAX_MS 16
+#define FAST_POLL_MAX_MS 4
 
 #define SQL_IDLE                                                                                   \
     "INSERT INTO idem.idem_relay_idle (pid) VALUES (pg_catalog.pg_backend_pid()) ON CONFLICT "     \
@@ -64,21 +71,25 @@ void idemp_relay_wake_connected(idem_relay_t *r)
 
 void idemp_relay_busy(idem_relay_t *r)
 {
-    r->busy_until_ms = idemp_now_ms() + BUSY_MS;
+    r->busy_until_ms = idemp_now_ms() + QUIET_MS;
     r->fast_poll_ms = FAST_POLL_MIN_MS;
 }
 
 void idemp_relay_found_none(idem_relay_t *r)
 {
-    if (r->fast_poll_ms < FAST_POLL_MAX_MS)
+    int64_t cap = idemp_now_ms() < r->busy_until_ms ? FAST_POLL_MAX_MS : r->cfg.poll_interval_ms;
+    if (r->fast_poll_ms >= FAST_POLL_MIN_MS && r->fast_poll_ms < cap)
         r->fast_poll_ms *= 2;
 }
 
 int64_t idemp_relay_poll_every(const idem_relay_t *r)
 {
-    if (idemp_now_ms() < r->busy_until_ms && r->fast_poll_ms < r->cfg.poll_interval_ms)
-        return r->fast_poll_ms;
-    return r->cfg.poll_interval_ms;
+    int64_t every = r->fast_poll_ms;
+    if (every < FAST_POLL_MIN_MS) /* not connected yet */
+        return r->cfg.poll_interval_ms;
+    if (idemp_now_ms() < r->busy_until_ms && every > FAST_POLL_MAX_MS)
+        every = FAST_POLL_MAX_MS;
+    return every < r->cfg.poll_interval_ms ? every : r->cfg.poll_interval_ms;
 }
 
 void idemp_relay_wake_step(idem_relay_t *r, bool quiet)
