@@ -1016,9 +1016,10 @@ def build_rows():
         ratio = None
         if value is not None and base:
             ratio = value / base
-        ok = None if ok_fn is None or value is None else bool(ok_fn(value, ratio))
-        if ok_fn is not None and (value is None or (ratio is None and ratio_mode == "x")):
-            ok = None
+        # a figure with nothing to compare with (a phase left out by --only) is not judged
+        ok = None
+        if ok_fn is not None and value is not None and (ratio is not None or ratio_mode != "x"):
+            ok = bool(ok_fn(value, ratio))
         rows.append({"figure": figure, "value": value, "unit": unit, "compared_with": base_label,
                      "base": base, "base_unit": base_unit, "ratio": ratio, "target": target,
                      "target_ratio": chart.target_ratio(target, base),
