@@ -109,7 +109,7 @@ struct idem_relay {
     bool want_claim;     /* rows are probably due: claim when a slot is free */
     /* relay_wake.c: the relay is busy (rows found or a NOTIFY lately) until busy_until_ms; it
      * polls every fast_poll_ms, doubling while claims find nothing (at most 4 ms while busy, up
-     * to the backstop poll after); idle_said: our row in idem_relay_idle is there. */
+     * to the backstop poll after). */
     int64_t busy_until_ms, fast_poll_ms;
     bool idle_said;       /* our row of idem_relay_idle is there */
     bool idle_broken;     /* the idle row cannot be written (an older schema): stay busy-less */

@@ -10,11 +10,11 @@
  * milliseconds took the CPU the broker needed to confirm, and cut a drain from 6,000 to 2,500/s).
  * Once it has found nothing for QUIET_MS it writes its idle row and claims once more: from then on
  * an emit notifies it, and between NOTIFYs it goes on polling, the interval still doubling up to
- * the backstop
- * (--poll-interval). An emitter that ran idem_emit before the idle row was there (so it did not
- * notify) and commits after that last look is found by one of those polls: a missed wake-up costs
- * about as long again as the emitter's transaction ran on after the relay went idle, and at most
- * one poll interval. Stale rows (a relay killed while idle) only make emitters notify, as before.
+ * the backstop (--poll-interval). An emitter that ran idem_emit before the idle row was there (so
+ * it did not notify) and commits after that last look is found by one of those polls: a missed
+ * wake-up costs about as long again as the emitter's transaction ran on after the relay went idle,
+ * and at most one poll interval. Stale rows (a relay killed while idle) only make emitters notify,
+ * as before.
  *
  * While busy, a poll costs each event at most FAST_POLL_MAX_MS of waiting; QUIET_MS is long
  * enough that a stream of events (even a slow emitter's, an event every few tens of
