@@ -478,7 +478,16 @@ def phase_relay():
                         "--subscriptions", str(A.subscriptions)], 300)
         cost.record(RES, "raw_publish", meter.stop(), n)
         sample("raw_publish", raw["rate"])
-        log(f"round {r + 1}: raw confirmed publish {raw['rate']:.0f} msg/s")
+        # the same without what the contract's v3 added to each message (BCC shard key,
+        # x-idem-seq, user_id): what the broker spends on those, beside the relay's own cost
+        q_purge("bench.sink")
+        meter = cost.Meter()
+        old = run_json([tool("raw_publish"), "--count", str(n), "--window", str(A.batch),
+                        "--subscriptions", str(A.subscriptions), "--wire", "v2"], 300)
+        cost.record(RES, "raw_publish_v2", meter.stop(), n)
+        sample("raw_publish_v2", old["rate"])
+        log(f"round {r + 1}: raw confirmed publish {raw['rate']:.0f} msg/s "
+            f"({old['rate']:.0f} msg/s with v2 messages)")
         if not have_idem():
             continue
         for k in A.relays:
@@ -1027,6 +1036,8 @@ def build_rows():
 
     raw, rec = med("raw_publish"), med("recipe_relay")
     r1 = med("relay.1")
+    add("raw confirmed publish, the relay's messages", raw, "msg/s", med("raw_publish_v2"),
+        "same without BCC, x-idem-seq, user_id (wire v2)", "msg/s", "", None)
     add("relay, 1 process", r1, "msg/s", raw, f"raw confirmed publish, window {A.batch}",
         "msg/s", ">= 0.8x", lambda v, x: x >= 0.8)
     add("relay, 1 process", r1, "msg/s", rec, "recipe relay (Python)", "msg/s", ">= 10x",

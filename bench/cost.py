@@ -130,6 +130,10 @@ def table(res, relays):
     if mq is not None:
         rows.append(("CPU per message, raw confirmed publish (RabbitMQ's)", r1(mq), "us/event",
                      None, "", "", "", None))
+    mq2 = median(res, "raw_publish_v2", "rabbitmq_us")
+    if mq2 is not None:
+        rows.append(("CPU per message, raw confirmed publish, wire v2 (RabbitMQ's)", r1(mq2),
+                     "us/event", None, "", "", "", None))
     for k in relays:
         base, label = servers(f"relay.{k}")
         rows.append((f"CPU per event, relay, {k} process{'es' if k > 1 else ''}",

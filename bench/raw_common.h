@@ -59,6 +59,20 @@ static double now_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
+/* The user name of url (what RabbitMQ checks user_id against); the caller keeps it. */
+static inline char *raw_login(const char *url)
+{
+    struct amqp_connection_info ci;
+    char *url_copy = strdup(url);
+    if (url_copy == NULL || amqp_parse_url(url_copy, &ci) != AMQP_STATUS_OK)
+        die("bad URL", url);
+    char *user = strdup(ci.user != NULL ? ci.user : "guest");
+    free(url_copy);
+    if (user == NULL)
+        die("malloc", NULL);
+    return user;
+}
+
 /* Connects to url (amqp://user:pass@host:port/vhost), logs in and opens channel CH, or exits. */
 static void raw_connect(const char *url)
 {

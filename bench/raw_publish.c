@@ -5,9 +5,13 @@
  * declared idempotently) in windows of --window messages: publish a window, wait until every
  * message of it is confirmed, next window - the relay's batch cycle without the claim and the
  * mark-sent. Each message carries what the relay's carry: message_id, type, content_type,
- * timestamp, headers event_id/subscription_id/event_type, and a billing JSON body of about
- * --body-bytes bytes, over --subscriptions subscriptions. With --queue, a durable quorum queue
- * of that name is declared and bound to the exchange with the routing key first (with an empty
+ * timestamp, user_id (the login), headers event_id/subscription_id/event_type/x-idem-seq and the
+ * shard key in BCC (idem.shard.N, one per subscription; RabbitMQ routes on it and removes it before
+ * delivery), and a billing JSON body of about --body-bytes bytes, over --subscriptions
+ * subscriptions. --wire v2 sends what the relay sent before the contract's v3: no user_id, no
+ * x-idem-seq, no BCC (the bench runs both, to show what the broker spends on the additions). With
+ * --queue, a durable quorum queue of that name is declared and bound to the exchange with the
+ * routing key first (with an empty
  * --exchange the message goes through the default exchange straight to --routing-key).
  *
  * Prints one JSON line on stdout: msgs, seconds, rate (msgs/s, measured from the first confirmed
@@ -62,11 +66,11 @@ static void usage(void)
     fprintf(stderr,
             "usage: raw_publish [--url URL] [--exchange NAME] [--routing-key KEY] [--queue Q]\n"
             "                   [--count N] [--window N] [--subscriptions N] [--body-bytes N]\n"
-            "                   [--type EVENT_TYPE]\n"
+            "                   [--type EVENT_TYPE] [--wire v2|v3]\n"
             "defaults: --url $IDEM_AMQP_URL, --exchange billing.events, --routing-key = --type,\n"
             "          --type payment.failed, --count 100000, --window 200, --subscriptions "
             "500,\n"
-            "          --body-bytes 200\n");
+            "          --body-bytes 200, --wire v3\n");
     exit(2);
 }
 
@@ -78,6 +82,7 @@ int main(int argc, char **argv)
     const char *queue = NULL;
     const char *type = "payment.failed";
     long count = 100000, window = 200, nsubs = 500, body_bytes = 200;
+    int wire = 3;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -101,6 +106,8 @@ int main(int argc, char **argv)
             nsubs = atol(v);
         else if (strcmp(a, "--body-bytes") == 0)
             body_bytes = atol(v);
+        else if (strcmp(a, "--wire") == 0 && (strcmp(v, "v2") == 0 || strcmp(v, "v3") == 0))
+            wire = v[1] - '0';
         else
             usage();
         i++;
@@ -117,6 +124,7 @@ int main(int argc, char **argv)
     rng_state = ((uint64_t)tv0.tv_sec * 1000003u) ^ (uint64_t)tv0.tv_usec ^
                 ((uint64_t)getpid() << 32) ^ 0x9E3779B97F4A7C15ULL;
 
+    char *login = raw_login(url);
     raw_connect(url);
     amqp_confirm_select(conn, CH);
     check_reply_404("confirm.select", 0);
@@ -174,7 +182,7 @@ int main(int argc, char **argv)
             body[len++] = '}';
             body[len] = '\0';
 
-            amqp_table_entry_t h[3];
+            amqp_table_entry_t h[5];
             h[0].key = amqp_cstring_bytes("event_id");
             h[0].value.kind = AMQP_FIELD_KIND_UTF8;
             h[0].value.value.bytes = amqp_cstring_bytes(event_id);
@@ -184,6 +192,20 @@ int main(int argc, char **argv)
             h[2].key = amqp_cstring_bytes("event_type");
             h[2].value.kind = AMQP_FIELD_KIND_UTF8;
             h[2].value.value.bytes = amqp_cstring_bytes(type);
+            char shard_key[24];
+            amqp_field_value_t shard_val;
+            if (wire == 3) {
+                h[3].key = amqp_cstring_bytes("x-idem-seq");
+                h[3].value.kind = AMQP_FIELD_KIND_I64;
+                h[3].value.value.i64 = published + k + 1;
+                snprintf(shard_key, sizeof shard_key, "idem.shard.%ld",
+                         ((published + k) % nsubs) % 1024);
+                shard_val.kind = AMQP_FIELD_KIND_UTF8;
+                shard_val.value.bytes = amqp_cstring_bytes(shard_key);
+                h[4].key = amqp_cstring_bytes("BCC");
+                h[4].value.kind = AMQP_FIELD_KIND_ARRAY;
+                h[4].value.value.array = (amqp_array_t){1, &shard_val};
+            }
             amqp_basic_properties_t p;
             memset(&p, 0, sizeof p);
             p._flags = AMQP_BASIC_CONTENT_TYPE_FLAG | AMQP_BASIC_DELIVERY_MODE_FLAG |
@@ -194,8 +216,12 @@ int main(int argc, char **argv)
             p.message_id = amqp_cstring_bytes(event_id);
             p.type = amqp_cstring_bytes(type);
             p.timestamp = (uint64_t)time(NULL);
-            p.headers.num_entries = 3;
+            p.headers.num_entries = wire == 3 ? 5 : 3;
             p.headers.entries = h;
+            if (wire == 3) {
+                p._flags |= AMQP_BASIC_USER_ID_FLAG;
+                p.user_id = amqp_cstring_bytes(login);
+            }
             amqp_bytes_t b = {(size_t)len, body};
             int rc = amqp_basic_publish(conn, CH, amqp_cstring_bytes(exchange),
                                         amqp_cstring_bytes(rkey), 1, 0, &p, b);
