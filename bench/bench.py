@@ -150,7 +150,7 @@ def parse_args():
     ap.add_argument("--steady-seconds", type=float,
                     default=env_float("BENCH_STEADY_SECONDS", 60))
     ap.add_argument("--steady-rates", default=os.environ.get("BENCH_STEADY_RATES",
-                                                             "1000,2000,3000,4000,5000"))
+                                                             "1000,1500,2000,2500,3000,4000,5000"))
     ap.add_argument("--lat-seconds", type=float, default=env_float("BENCH_LAT_SECONDS", 5))
     ap.add_argument("--lat-rounds", type=int, default=env_int("BENCH_LAT_ROUNDS", 3))
     ap.add_argument("--idle-events", type=int, default=env_int("BENCH_IDLE_EVENTS", 40))
@@ -691,11 +691,16 @@ def phase_emit():
         truncate("idem.event_outbox")
 
 
-def backlog():
-    """Events emitted but not applied yet, as cheaply as it can be read each second: pending
-    outbox rows (a partial index) plus the consumer queue's ready messages."""
+def backlog_parts():
+    """Events emitted but not applied yet, as cheaply as it can be read each second, and where
+    they wait: pending outbox rows (a partial index: the relay is behind) and the consumer
+    queue's messages (the consumer is behind)."""
     pend = one("SELECT count(*) FROM idem.event_outbox WHERE status = 'pending'")
-    return pend + max(q_depth("bench.consumer")["messages"], 0)
+    return pend, max(q_depth("bench.consumer")["messages"], 0)
+
+
+def backlog():
+    return sum(backlog_parts())
 
 
 def phase_steady():
@@ -725,7 +730,7 @@ def phase_steady():
             t0, seen = time.monotonic(), []
             while em.poll() is None:
                 time.sleep(1.0)
-                seen.append((time.monotonic() - t0, backlog()))
+                seen.append((time.monotonic() - t0,) + backlog_parts())
             out_s, err_s = em.communicate()
             if em.returncode != 0:
                 raise Failure(f"emit_rate exited {em.returncode}: {err_s.decode()[-500:]}")
@@ -741,17 +746,25 @@ def phase_steady():
             if not drained:
                 wait_for(lambda: (lambda t: t[0] == t[1])(run_consumed(run)), 300,
                          f"{run} drained", procs, 0.5)
-            half = [b for t, b in seen if t >= A.steady_seconds / 2] or [b for _, b in seen]
-            peak = max(half) if half else 0
+            half = [x for x in seen if x[0] >= A.steady_seconds / 2] or seen
+            peak = max((o + m for _, o, m in half), default=0)
+            # where the backlog waited at its peak: the outbox (relay) or the queue (consumer)
+            at = max(half, key=lambda x: x[1] + x[2], default=(0, 0, 0))
             reached = out["achieved_rate"] >= 0.95 * rate
             bounded = reached and drained and peak <= 2 * rate
             lat = latency_of(run, procs)
             st = {"rate": rate, "achieved": out["achieved_rate"], "peak_backlog": peak,
+                  "peak_outbox": at[1], "peak_queue": at[2],
                   "drain_s": drain_s, "bounded": bounded, "p50": lat["p50"],
                   "p99": lat["p99"], "max": lat["max"]}
             RES["steady"].append(st)
+            note(f"steady {rate}/s: emitted {out['achieved_rate']:.0f}/s, backlog peak {peak} in "
+                 f"the second half ({at[1]} pending in the outbox, {at[2]} in the consumer's "
+                 f"queue), drained {drain_s:.1f} s after the last emit: "
+                 f"{'bounded' if bounded else 'not bounded'}")
             log(f"steady {rate}/s for {A.steady_seconds:.0f} s: emitted {out['achieved_rate']:.0f}"
-                f"/s, backlog peak {peak} in the second half, drained {drain_s:.1f} s after the "
+                f"/s, backlog peak {peak} in the second half ({at[1]} in the outbox, {at[2]} in the "
+                f"queue), drained {drain_s:.1f} s after the "
                 f"last emit, p50 {lat['p50']:.2f} ms, p99 {lat['p99']:.2f} ms, max "
                 f"{lat['max']:.2f} ms: {'bounded' if bounded else 'NOT bounded'}")
             if not bounded:
