@@ -881,7 +881,7 @@ def bulk_load_sent(n):
             for name, _ in cons:
                 cur.execute(f'ALTER TABLE idem.event_outbox DROP CONSTRAINT "{name}"')
             for name, _ in idx:
-                cur.execute(f'DROP INDEX "{name}"')
+                cur.execute(f'DROP INDEX idem."{name}"')
             cur.execute(insert, args)
             for name, d in cons:
                 cur.execute(f'ALTER TABLE idem.event_outbox ADD CONSTRAINT "{name}" {d}')
