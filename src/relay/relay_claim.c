@@ -15,10 +15,15 @@
 /* Transaction-local settings (nothing leaks to other clients of a pooled server connection): the
  * relay's commits need not wait for the disk (relay_batch.c says why); the claim's plans do not
  * depend on its parameters, and planning it with a 200-element array costs more than running it;
- * daemons run short statements, which JIT only slows down. */
+ * daemons run short statements, which JIT only slows down. No sorts: each probe of the claim must
+ * walk the index on (subscription_id, seq) in its order. Planned from statistics taken while the
+ * outbox had next to nothing pending (the usual state, until a broker outage or a burst), the
+ * cheapest-looking plan reads every pending row through the index on seq and sorts them, in each
+ * of a claim's 200 probes: 2.9 s a claim with 30,000 pending, against 9 ms. */
 #define SQL_SETTINGS                                                                               \
     "SELECT set_config('synchronous_commit', 'off', true),"                                        \
     " set_config('plan_cache_mode', 'force_generic_plan', true), set_config('jit', 'off', true),"  \
+    " set_config('enable_sort', 'off', true),"                                                     \
     " set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)"
 
 /* Step 1: up to $1 subscriptions, each by its head (its first pending row): the subscriptions with

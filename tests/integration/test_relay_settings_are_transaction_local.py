@@ -1,5 +1,5 @@
 """The relay's settings do not leak to other clients of a pooled connection
-(src/relay/relay_batch.c: synchronous_commit, plan_cache_mode, jit, lock_timeout and
+(src/relay/relay_claim.c: synchronous_commit, plan_cache_mode, jit, enable_sort, lock_timeout and
 statement_timeout are set with set_config(..., true), local to each transaction).
 
 Behind a connection pooler the server connection the relay used is handed to the next client.
@@ -22,7 +22,8 @@ from relay_helpers import declare_consumer_queue, emit_many, outbox, read_queue
 __all__ = ["pgbouncers"]
 
 TYPE = "payment.failed"
-SETTINGS = ("synchronous_commit", "plan_cache_mode", "lock_timeout", "statement_timeout", "jit")
+SETTINGS = ("synchronous_commit", "plan_cache_mode", "lock_timeout", "statement_timeout", "jit",
+            "enable_sort")
 POOL = 2
 
 
@@ -58,6 +59,7 @@ def test_relay_and_consumer_leave_no_settings_on_pooled_connections(db, servers,
     assert expected["plan_cache_mode"] == "auto"
     assert expected["lock_timeout"] == "0" and expected["statement_timeout"] == "0"
     assert expected["jit"] in ("on", "off")
+    assert expected["enable_sort"] == "on"
 
     bouncer = pgbouncers(db.url, pool_mode="session", pool_size=POOL)
     before = pooled_sessions(bouncer)
