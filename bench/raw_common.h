@@ -59,19 +59,8 @@ static double now_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
-/* The user name of url (what RabbitMQ checks user_id against); the caller keeps it. */
-static inline char *raw_login(const char *url)
-{
-    struct amqp_connection_info ci;
-    char *url_copy = strdup(url);
-    if (url_copy == NULL || amqp_parse_url(url_copy, &ci) != AMQP_STATUS_OK)
-        die("bad URL", url);
-    char *user = strdup(ci.user != NULL ? ci.user : "guest");
-    free(url_copy);
-    if (user == NULL)
-        die("malloc", NULL);
-    return user;
-}
+/* The user raw_connect logged in as (what RabbitMQ checks a message's user_id against). */
+static char raw_user[256];
 
 /* Connects to url (amqp://user:pass@host:port/vhost), logs in and opens channel CH, or exits. */
 static void raw_connect(const char *url)
@@ -93,6 +82,7 @@ static void raw_connect(const char *url)
         amqp_login(conn, vhost, 0, 131072, 0, AMQP_SASL_METHOD_PLAIN, ci.user, ci.password);
     if (lr.reply_type != AMQP_RESPONSE_NORMAL)
         die("login", "refused or failed");
+    snprintf(raw_user, sizeof raw_user, "%s", ci.user);
     free(url_copy); /* amqp_login copied what it needs */
     amqp_channel_open(conn, CH);
     check_reply_404("channel.open", 0);

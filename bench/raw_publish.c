@@ -124,7 +124,6 @@ int main(int argc, char **argv)
     rng_state = ((uint64_t)tv0.tv_sec * 1000003u) ^ (uint64_t)tv0.tv_usec ^
                 ((uint64_t)getpid() << 32) ^ 0x9E3779B97F4A7C15ULL;
 
-    char *login = raw_login(url);
     raw_connect(url);
     amqp_confirm_select(conn, CH);
     check_reply_404("confirm.select", 0);
@@ -220,7 +219,7 @@ int main(int argc, char **argv)
             p.headers.entries = h;
             if (wire == 3) {
                 p._flags |= AMQP_BASIC_USER_ID_FLAG;
-                p.user_id = amqp_cstring_bytes(login);
+                p.user_id = amqp_cstring_bytes(raw_user);
             }
             amqp_bytes_t b = {(size_t)len, body};
             int rc = amqp_basic_publish(conn, CH, amqp_cstring_bytes(exchange),
