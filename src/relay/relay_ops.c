@@ -27,7 +27,7 @@
 
 #define SQL_OLDEST_PENDING                                                                         \
     "SELECT extract(epoch FROM clock_timestamp() - created_at) FROM idem.event_outbox"             \
-    " WHERE status = 'pending' ORDER BY seq LIMIT 1"
+    " WHERE status = 'pending' ORDER BY created_at LIMIT 1"
 #define SQL_OUTBOX_ROWS                                                                            \
     "SELECT (SELECT count(*) FROM idem.event_outbox WHERE status = 'pending'),"                    \
     " (SELECT count(*) FROM idem.event_outbox WHERE status = 'failed')"

@@ -45,6 +45,27 @@ def emit_many(db, events, per_tx=100):
     return ids
 
 
+# Rows written straight into the outbox, as a backlog (no idem_emit): n rows of the given status,
+# round the subscriptions subs in seq order (row i: subs[i % len(subs)]).
+OUTBOX_ROWS = """
+INSERT INTO idem.event_outbox (event_id, subscription_id, event_type, payload, status, sent_at)
+SELECT gen_random_uuid(), (%(subs)s::uuid[])[1 + i %% %(nsubs)s], %(type)s,
+       jsonb_build_object('invoice_id', gen_random_uuid(), 'subscription_id',
+                          (%(subs)s::uuid[])[1 + i %% %(nsubs)s], 'amount_cents', 100,
+                          'currency', 'USD', 'n', i),
+       %(status)s, CASE WHEN %(status)s = 'sent' THEN now() END
+  FROM generate_series(1, %(n)s) AS i ORDER BY i"""
+
+
+def insert_rows(db, subs, event_type, status, n, cur=None):
+    args = {"subs": subs, "nsubs": len(subs), "type": event_type, "status": status, "n": n}
+    if cur is not None:
+        cur.execute(OUTBOX_ROWS, args)
+        return
+    with db.connect() as conn, conn.cursor() as c:
+        c.execute(OUTBOX_ROWS, args)
+
+
 def outbox(db, where="true", *params):
     """{event_id: {status, attempts, last_error, subscription_id, event_type, n, seq}}."""
     rows = db.query(
@@ -177,15 +198,19 @@ class RelayDaemon(Daemon):
 
         wait_until(ready, timeout, 0.05, f"{self.name} connected to both servers")
 
-    def batches(self):
-        """[(claimed, sent)] of the 'batch committed' debug lines."""
+    def batch_lines(self):
+        """The 'batch committed' debug lines, each as {key: int} (claimed, sent, claim_ms, ...)."""
         out = []
         for line in self.log().splitlines():
             if "batch committed" not in line:
                 continue
             kv = dict(w.split("=", 1) for w in line.split() if "=" in w)
-            out.append((int(kv.get("claimed", 0)), int(kv.get("sent", 0))))
+            out.append({k: int(v) for k, v in kv.items() if v.isdigit()})
         return out
+
+    def batches(self):
+        """[(claimed, sent)] of the 'batch committed' debug lines."""
+        return [(b.get("claimed", 0), b.get("sent", 0)) for b in self.batch_lines()]
 
     def sent(self):
         return sum(s for _, s in self.batches())
@@ -208,6 +233,6 @@ def relay_daemons(db, servers, tmp_path, request):
     finish_daemons(made, request)
 
 
-__all__ = ["md5_uuid", "emit", "emit_many", "outbox", "status_counts", "wait_all_sent",
+__all__ = ["md5_uuid", "emit", "emit_many", "insert_rows", "outbox", "status_counts", "wait_all_sent",
            "queue_args", "declare_consumer_queue", "bind", "Msg", "read_queue", "idem",
            "relay_once", "RelayDaemon", "relay_daemons"]

@@ -22,7 +22,7 @@ relay's claim must refuse that plan to pass."""
 import time
 
 from conftest import new_id, wait_until
-from relay_helpers import declare_consumer_queue, relay_daemons, status_counts
+from relay_helpers import declare_consumer_queue, insert_rows, relay_daemons, status_counts
 
 __all__ = ["relay_daemons"]
 
@@ -32,21 +32,6 @@ PENDING = 20000
 SUBS = 500
 DRAIN_BOUND_S = 30
 ATTEMPTS = 20
-
-ROWS = """
-INSERT INTO idem.event_outbox (event_id, subscription_id, event_type, payload, status, sent_at)
-SELECT gen_random_uuid(), (%(subs)s::uuid[])[1 + i %% %(nsubs)s], %(type)s,
-       jsonb_build_object('invoice_id', gen_random_uuid(), 'subscription_id',
-                          (%(subs)s::uuid[])[1 + i %% %(nsubs)s], 'amount_cents', 100,
-                          'currency', 'USD', 'n', i),
-       %(status)s, CASE WHEN %(status)s = 'sent' THEN now() END
-  FROM generate_series(1, %(n)s) AS i"""
-
-
-def insert_rows(db, **args):
-    with db.connect() as conn, conn.cursor() as cur:
-        cur.execute(ROWS, args)
-
 
 # One probe of the claim's walk, planned as the relay plans it (generic), with sorts allowed: the
 # plan the statistics lead to.
@@ -76,13 +61,12 @@ def test_a_backlog_unknown_to_the_statistics_drains_at_the_usual_cost(db, broker
                                                                      relay_daemons):
     declare_consumer_queue(broker, queue, [TYPE])
     subs = [new_id() for _ in range(SUBS)]
-    args = {"subs": subs, "nsubs": SUBS, "type": TYPE}
     db.execute("ALTER TABLE idem.event_outbox SET (autovacuum_enabled = off)")
     try:
-        insert_rows(db, **args, status="sent", n=SENT)
-        insert_rows(db, **args, status="pending", n=1)
+        insert_rows(db, subs, TYPE, "sent", SENT)
+        insert_rows(db, subs, TYPE, "pending", 1)
         with db.connect(autocommit=False) as burst, burst.cursor() as cur:
-            cur.execute(ROWS, dict(args, status="pending", n=PENDING - 1))
+            insert_rows(db, subs, TYPE, "pending", PENDING - 1, cur=cur)
             # what the planner is to believe: (next to) nothing pending; and the plan it makes
             for _ in range(ATTEMPTS):
                 db.execute("ANALYZE idem.event_outbox")
