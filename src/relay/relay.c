@@ -583,6 +583,7 @@ int idem_relay_run(idem_relay_t *r, idem_error_t *err)
         const char *kv[] = {"published", a, "failures", b, "parked", c1, NULL};
         idem_log(life, LOGC, kv, "stopped");
     }
+    idemp_relay_wake_stop(r);
     idemp_amqp_disconnect(r->amqp, NULL);
     for (int i = 0; i < r->nslots; i++)
         idemp_pg_disconnect(r->slots[i].pg, NULL);

@@ -153,6 +153,10 @@ int64_t idemp_relay_poll_every(const idem_relay_t *r);
  * see the idle row yet is found by it, or by the backstop poll. */
 void idemp_relay_wake_step(idem_relay_t *r, bool quiet);
 
+/* The relay stops: its idle row goes with it (a row left behind names a session that is gone,
+ * which emitters look up on every emit until a relay connects again). */
+void idemp_relay_wake_stop(idem_relay_t *r);
+
 /* ---- relay_claim.c ---- */
 
 /* One claimed row as the gap filter sees it: its subscription, seq, and the seq of the pending

@@ -36,10 +36,12 @@
     "INSERT INTO idem.idem_relay_idle (pid) VALUES (pg_catalog.pg_backend_pid()) ON CONFLICT "     \
     "(pid) DO NOTHING"
 #define SQL_BUSY "DELETE FROM idem.idem_relay_idle WHERE pid = pg_catalog.pg_backend_pid()"
+/* Rows whose session is gone: no session has the row's pid and name (the name, the row's
+ * default, is its writer's application_name), or it is ours, from a session of ours before. */
 #define SQL_GONE                                                                                   \
     "DELETE FROM idem.idem_relay_idle i WHERE NOT EXISTS"                                          \
-    " (SELECT 1 FROM pg_catalog.pg_stat_activity a WHERE a.pid = i.pid AND a.pid <> "              \
-    "pg_catalog.pg_backend_pid())"
+    " (SELECT 1 FROM pg_catalog.pg_stat_activity a WHERE a.pid = i.pid"                            \
+    " AND a.application_name = i.app AND a.pid <> pg_catalog.pg_backend_pid())"
 
 static const char *const LOGC = "relay";
 
@@ -105,6 +107,15 @@ int64_t idemp_relay_poll_every(const idem_relay_t *r)
     if (idemp_now_ms() < r->busy_until_ms && every > FAST_POLL_MAX_MS)
         every = FAST_POLL_MAX_MS;
     return every < r->cfg.poll_interval_ms ? every : r->cfg.poll_interval_ms;
+}
+
+void idemp_relay_wake_stop(idem_relay_t *r)
+{
+    /* not while a gauge's read is in flight on the connection: the row is then left to the
+     * next relay that connects */
+    if (r->idle_said && !r->idle_broken && idemp_pg_connected(r->ctl) &&
+        !idemp_pg_pipeline_open(r->ctl) && !idemp_pg_pipeline_sent(r->ctl) && say(r, SQL_BUSY))
+        r->idle_said = false;
 }
 
 void idemp_relay_wake_step(idem_relay_t *r, bool quiet)

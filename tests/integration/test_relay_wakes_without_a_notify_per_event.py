@@ -151,3 +151,43 @@ def test_stale_idle_row_of_a_killed_relay_is_cleared(db, servers, broker, queue,
     relay_daemons(name="next", wait_ready=True)
     wait_until(lambda: db.scalar("SELECT count(*) FROM idem.idem_relay_idle WHERE pid = %s",
                                  pid) == 0, 10, 0.05, "the stale idle row deleted")
+
+
+def test_a_relay_that_stops_takes_its_idle_row_with_it(db, servers, broker, queue,
+                                                       relay_daemons):
+    declare_consumer_queue(broker, queue, ["payment.failed"])
+    relay = relay_daemons(name="stopping", wait_ready=True)
+    wait_until(lambda: idle_rows(db) == 1, 10, 0.05, "the relay's idle row")
+    # the row names the relay's session: its pid and its application_name
+    pid, app = db.query("SELECT pid, app FROM idem.idem_relay_idle")[0]
+    assert db.scalar("SELECT application_name FROM pg_stat_activity WHERE pid = %s",
+                     pid) == app, app
+    assert app.startswith("idem relay pid "), app
+    assert relay.stop() == 0
+    # gone with the relay: a row left behind would name a pid another session may get
+    assert idle_rows(db) == 0
+
+
+def test_an_idle_row_whose_pid_another_session_has_wakes_nobody(db):
+    """A relay stopped while idle left its row, and PostgreSQL gave its pid to another session
+    (an application's): emits do not notify for it. The same row naming that session as it is
+    (its own application_name) does: the look tells them apart."""
+    with db.connect() as other:
+        other.set_session(autocommit=True)
+        with other.cursor() as cur:
+            cur.execute("SET application_name = 'billing-app'")
+            cur.execute("SELECT pg_backend_pid()")
+            pid = cur.fetchone()[0]
+        db.execute("INSERT INTO idem.idem_relay_idle (pid, app) VALUES (%s, %s)", pid,
+                   "idem relay pid 4242")
+        listener = Listener(db)
+        try:
+            for _ in range(10):
+                emit(db, "payment.failed", new_id(), f"reused:{new_id()}", payload())
+            time.sleep(0.3)
+            assert listener.count == 0, f"{listener.count} NOTIFYs for a relay that is gone"
+            db.execute("UPDATE idem.idem_relay_idle SET app = 'billing-app' WHERE pid = %s", pid)
+            emit(db, "payment.failed", new_id(), f"named:{new_id()}", payload())
+            wait_until(lambda: listener.count >= 1, 5, 0.02, "a NOTIFY for the named session")
+        finally:
+            listener.close()
