@@ -111,11 +111,12 @@ struct idem_relay {
      * polls every fast_poll_ms, doubling while claims find nothing (at most 4 ms while busy, up
      * to the backstop poll after). */
     int64_t busy_until_ms, fast_poll_ms;
-    bool idle_said;       /* our row of idem_relay_idle is there */
-    bool idle_broken;     /* the idle row cannot be written (an older schema): stay busy-less */
-    uint64_t wakes;       /* NOTIFYs, polls and commits so far: each makes rows probably due */
-    int64_t next_poll_ms; /* the backstop poll: claim at this time even without a NOTIFY */
-    int fail_rc;          /* once mode: the first failure, returned by idem_relay_run */
+    bool idle_said;          /* our row of idem_relay_idle is there */
+    int64_t idle_written_ms; /* when we last wrote it (it counts for 30 s: sql/023) */
+    bool idle_broken;        /* the idle row cannot be written (an older schema): stay busy-less */
+    uint64_t wakes;          /* NOTIFYs, polls and commits so far: each makes rows probably due */
+    int64_t next_poll_ms;    /* the backstop poll: claim at this time even without a NOTIFY */
+    int fail_rc;             /* once mode: the first failure, returned by idem_relay_run */
     idem_error_t fail_err;
     /* rows that were unconfirmed when the broker closed the channel for a message (and rows found
      * to be such a message): each goes out alone until it is confirmed (relay_batch.c) */
@@ -149,8 +150,9 @@ void idemp_relay_found_none(idem_relay_t *r);
 int64_t idemp_relay_poll_every(const idem_relay_t *r);
 
 /* Says idle or busy in idem_relay_idle when that changed (a statement on the control
- * connection). Going idle asks for one more claim: a row committed by an emitter that did not
- * see the idle row yet is found by it, or by the backstop poll. */
+ * connection), and says idle again every IDLE_REFRESH_MS while idle: emitters count a row for
+ * 30 s after it was written. Going idle asks for one more claim: a row committed by an emitter
+ * that did not see the idle row yet is found by it, or by the backstop poll. */
 void idemp_relay_wake_step(idem_relay_t *r, bool quiet);
 
 /* The relay stops: its idle row goes with it (a row left behind names a session that is gone,

@@ -13,8 +13,10 @@
  * the backstop (--poll-interval). An emitter that ran idem_emit before the idle row was there (so
  * it did not notify) and commits after that last look is found by one of those polls: a missed
  * wake-up costs about as long again as the emitter's transaction ran on after the relay went idle,
- * and at most one poll interval. Stale rows (a relay killed while idle) only make emitters notify,
- * as before.
+ * and at most one poll interval. A row counts while the session it names (pid and
+ * application_name) lives and for 30 s after it was written (sql/021, sql/023): an idle relay
+ * writes it again every IDLE_REFRESH_MS, so a row left by a relay killed while idle stops making
+ * emitters notify within 30 s even if PostgreSQL gives its pid to a session of the same name.
  *
  * While busy, a poll costs each event at most FAST_POLL_MAX_MS of waiting; QUIET_MS is long
  * enough that a stream of events (even a slow emitter's, an event every few tens of
@@ -31,10 +33,13 @@
 #define QUIET_MS 250
 #define FAST_POLL_MIN_MS 1
 #define FAST_POLL_MAX_MS 4
+/* well inside the 30 s for which idem_relay_waits() (sql/023) counts a row */
+#define IDLE_REFRESH_MS 10000
 
+/* going idle, and again every IDLE_REFRESH_MS while idle: the row's time is the last write */
 #define SQL_IDLE                                                                                   \
-    "INSERT INTO idem.idem_relay_idle (pid) VALUES (pg_catalog.pg_backend_pid()) ON CONFLICT "     \
-    "(pid) DO NOTHING"
+    "INSERT INTO idem.idem_relay_idle (pid) VALUES (pg_catalog.pg_backend_pid())"                  \
+    " ON CONFLICT (pid) DO UPDATE SET since = pg_catalog.now(), app = EXCLUDED.app"
 #define SQL_BUSY "DELETE FROM idem.idem_relay_idle WHERE pid = pg_catalog.pg_backend_pid()"
 /* Rows whose session is gone: no session has the row's pid and name (the name, the row's
  * default, is its writer's application_name), or it is ours, from a session of ours before. */
@@ -130,8 +135,13 @@ void idemp_relay_wake_step(idem_relay_t *r, bool quiet)
     } else if (!busy && !r->idle_said && quiet) {
         if (say(r, SQL_IDLE)) {
             r->idle_said = true;
+            r->idle_written_ms = idemp_now_ms();
             r->want_claim = true; /* the last look, see above */
             r->wakes++;
         }
+    } else if (!busy && r->idle_said && idemp_now_ms() - r->idle_written_ms >= IDLE_REFRESH_MS) {
+        /* still idle: the row counts for 30 s after it was written */
+        if (say(r, SQL_IDLE))
+            r->idle_written_ms = idemp_now_ms();
     }
 }

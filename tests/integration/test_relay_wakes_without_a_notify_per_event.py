@@ -191,3 +191,53 @@ def test_an_idle_row_whose_pid_another_session_has_wakes_nobody(db):
             wait_until(lambda: listener.count >= 1, 5, 0.02, "a NOTIFY for the named session")
         finally:
             listener.close()
+
+
+def test_an_idle_row_not_written_for_30_seconds_wakes_nobody(db):
+    """Where every session has one application_name, a row left by a relay killed while idle
+    names, once its pid comes round, a live session of that name: it counts for 30 s after it
+    was written, no longer. The same row written now does count."""
+    with db.connect() as other:
+        other.set_session(autocommit=True)
+        with other.cursor() as cur:
+            cur.execute("SET application_name = 'billing-app'")
+            cur.execute("SELECT pg_backend_pid()")
+            pid = cur.fetchone()[0]
+        db.execute("INSERT INTO idem.idem_relay_idle (pid, app, since)"
+                   " VALUES (%s, 'billing-app', now() - interval '31 seconds')", pid)
+        listener = Listener(db)
+        try:
+            for _ in range(10):
+                emit(db, "payment.failed", new_id(), f"aged:{new_id()}", payload())
+            time.sleep(0.3)
+            assert listener.count == 0, f"{listener.count} NOTIFYs for a row 31 s old"
+            db.execute("UPDATE idem.idem_relay_idle SET since = now() WHERE pid = %s", pid)
+            emit(db, "payment.failed", new_id(), f"fresh:{new_id()}", payload())
+            wait_until(lambda: listener.count >= 1, 5, 0.02, "a NOTIFY for the row written now")
+        finally:
+            listener.close()
+            db.execute("DELETE FROM idem.idem_relay_idle WHERE pid = %s", pid)
+
+
+def test_a_relay_idle_for_long_keeps_its_row_counted(db, servers, broker, queue, relay_daemons):
+    """An idle relay writes its row again every 10 s, so an emit long after the relay went idle
+    still notifies it, and the NOTIFY (not the 10 s poll) gets the event out."""
+    declare_consumer_queue(broker, queue, ["payment.failed"])
+    relay_daemons(args=["--poll-interval", "10s"], wait_ready=True)
+    wait_until(lambda: idle_rows(db) == 1, 10, 0.05, "the relay's idle row")
+    first = db.scalar("SELECT since FROM idem.idem_relay_idle")
+    wait_until(lambda: db.scalar("SELECT since FROM idem.idem_relay_idle") > first, 15, 0.2,
+               "the idle row written again")
+    again = db.scalar("SELECT since FROM idem.idem_relay_idle")
+    gap = (again - first).total_seconds()
+    assert 9.0 <= gap <= 12.0, f"written again after {gap:.1f} s (every 10 s expected)"
+    listener = Listener(db)
+    try:
+        sub = new_id()
+        t = time.time()
+        eid = emit(db, "payment.failed", sub, f"late:{new_id()}", payload(subscription_id=sub))
+        took = sent_at_latency(db, eid, t)
+        wait_until(lambda: listener.count == 1, 5, 0.02, "a NOTIFY for the idle relay")
+        assert took < 1.0, f"a relay idle for {gap:.0f} s took {took:.3f} s to publish"
+    finally:
+        listener.close()

@@ -136,7 +136,7 @@ int idemp_pgconn_script(PGconn *conn, const char *sql, const char *what, idem_er
 
 /* The latest of idem's migrations (sql/) this binary needs; a migration that changes what the
  * code relies on updates it. */
-#define IDEMP_SCHEMA_NEEDS "022_relay_waits.sql"
+#define IDEMP_SCHEMA_NEEDS "023_relay_idle_ttl.sql"
 /* Also needed, applied before or after the latest: consumers' ledger rights and operators'
  * functions (sql/017_narrow_rights.sql). */
 #define IDEMP_SCHEMA_NEEDS_ALSO "017_narrow_rights.sql"
